@@ -1,0 +1,139 @@
+"""`atom serve | generate | schema-check`: the command line. Heavy imports happen inside commands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from atom.config import EngineConfig, ServerConfig
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="HF folder (config.json + safetensors + tokenizer) or a .gguf file; "
+        "default: the embedded SmolLM2-135M-Instruct",
+    )
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    g.add_argument(
+        "--served-model-name", default=None, help="model id clients send (default: derived)"
+    )
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+    g.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (prompt + output)"
+    )
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running requests")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="tokens per step (prefill is chunked under it)",
+    )
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument(
+        "--no-prefix-caching", action="store_true", help="disable KV prefix caching by block hash"
+    )
+    g.add_argument(
+        "--kv-cache-bytes", type=int, default=None, help="KV cache size in bytes (CPU default 512 MiB)"
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="share of free GPU memory given to the KV cache on CUDA",
+    )
+    g.add_argument("--seed", type=int, default=d.seed, help="engine seed")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=args.seed,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="atom", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI/Anthropic-compatible HTTP server")
+    _add_engine_args(serve)
+    s = ServerConfig()
+    serve.add_argument("--host", default=s.host, help="listening address")
+    serve.add_argument("--port", type=int, default=s.port, help="listening port")
+    serve.add_argument(
+        "--model-adapter",
+        default=None,
+        help="deployment adapter advertised on /v1/models (default: derived from the checkpoint)",
+    )
+    serve.add_argument("--log-level", default=s.log_level, help="uvicorn log level")
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt (offline)")
+    _add_engine_args(gen)
+    gen.add_argument("prompt", help="user message (the chat template is applied)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="output token cap")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+
+    check = sub.add_parser("schema-check", help="check JSON Schemas against the grammar compiler")
+    check.add_argument("files", nargs="+", help="JSON Schema files")
+    check.add_argument("--tokenizer", default=None, help="tokenizer (default: embedded SmolLM2)")
+    check.add_argument("--json", action="store_true", help="one JSON object per line")
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from atom.entrypoints.openai.api_server import run_server
+
+    server = ServerConfig(
+        host=args.host, port=args.port, model_adapter=args.model_adapter, log_level=args.log_level
+    )
+    return run_server(engine_config_from_args(args), server)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from atom.llm import LLM
+    from atom.sampling_params import SamplingParams
+
+    llm = LLM(config=engine_config_from_args(args))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    if args.raw:
+        out = llm.generate([args.prompt], params)[0]
+    else:
+        out = llm.chat([[{"role": "user", "content": args.prompt}]], params)[0]
+    print(out.text)
+    return 0
+
+
+def _schema_check(args: argparse.Namespace) -> int:
+    from atom.structured_output.schema_check import run_schema_check
+
+    return run_schema_check(args.files, tokenizer=args.tokenizer, as_json=args.json)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"serve": _serve, "generate": _generate, "schema-check": _schema_check}
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Every ATOM_* environment variable, read in one place (at call time, so tests can set them)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def cache_dir() -> Path:
+    """Where converted models live (the embedded GGUF is dequantized here once)."""
+    return Path(os.environ.get("ATOM_CACHE_DIR", Path.home() / ".cache" / "atom"))
+
+
+def enable_relaxed_mtp() -> bool:
+    """Relaxed speculative acceptance; structured requests are refused while it is on."""
+    return _flag("ATOM_ENABLE_RELAXED_MTP")
+
+
+def log_level() -> str:
+    return os.environ.get("ATOM_LOG_LEVEL", "INFO").upper()
