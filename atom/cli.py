@@ -38,7 +38,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--no-prefix-caching", action="store_true", help="disable KV prefix caching by block hash"
     )
     g.add_argument(
-        "--kv-cache-bytes", type=int, default=None, help="KV cache size in bytes (CPU default 512 MiB)"
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="KV cache size in bytes (CPU default 512 MiB)",
     )
     g.add_argument(
         "--gpu-memory-utilization",
@@ -127,10 +130,15 @@ def _schema_check(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from atom.model_loader import ModelLoadError
+
     args = build_parser().parse_args(argv)
     handlers = {"serve": _serve, "generate": _generate, "schema-check": _schema_check}
     try:
         return handlers[args.command](args)
+    except ModelLoadError as e:
+        print(f"atom: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

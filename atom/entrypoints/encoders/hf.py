@@ -1,0 +1,49 @@
+"""The tokenizer's own Jinja chat template (HF `apply_chat_template`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ChatTemplateError(ValueError):
+    """The template rejected the conversation (bad role order, unsupported content...)."""
+
+
+_FALLBACK_ROLE = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
+
+
+class HFChatEncoder:
+    name = "hf"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.has_template = bool(getattr(tokenizer, "chat_template", None))
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """Prompt text ending with the assistant generation prompt."""
+        if not self.has_template:
+            lines = [
+                f"{_FALLBACK_ROLE.get(m['role'], m['role'])}: {m.get('content') or ''}"
+                for m in messages
+            ]
+            return "\n".join(lines) + "\nAssistant:"
+        kwargs = dict(template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        except Exception as e:  # jinja raise_exception(...) and friends
+            raise ChatTemplateError(f"the chat template rejected the conversation: {e}") from e
+        if not isinstance(text, str):
+            raise ChatTemplateError("the chat template did not produce text")
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

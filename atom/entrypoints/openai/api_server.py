@@ -1,0 +1,191 @@
+"""The HTTP server: OpenAI Chat Completions and Responses, Anthropic Messages, model discovery,
+health and Prometheus metrics. `build_app(engine, server_config)` makes the FastAPI app around
+a running AsyncLLM (tests build apps directly); `run_server` loads the engine and serves it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from atom.config import EngineConfig, ServerConfig
+from atom.entrypoints.openai.errors import install_error_handlers
+from atom.entrypoints.openai.protocol import (
+    AnthropicErrorResponse,
+    AnthropicMessagesRequest,
+    ChatCompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    ResponsesRequest,
+)
+from atom.entrypoints.openai.serving_chat import ServingChat
+from atom.entrypoints.openai.serving_engine import ClientDisconnected, ServingContext
+from atom.entrypoints.openai.serving_messages import ServingMessages
+from atom.entrypoints.openai.serving_models import ServingModels
+from atom.entrypoints.openai.serving_responses import ServingResponses
+
+logger = logging.getLogger("atom.api")
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "invalid request"},
+    404: {"model": ErrorResponse, "description": "unknown model"},
+}
+_ANTHROPIC_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": AnthropicErrorResponse, "description": "invalid request"},
+    404: {"model": AnthropicErrorResponse, "description": "unknown model"},
+}
+
+
+def _disconnected() -> Response:
+    # Nobody reads it: the client is gone and its engine request has been aborted.
+    return Response(status_code=499)
+
+
+class _JSONBodyByDefault:
+    """Treat POST bodies sent without a JSON content type (`curl -d ...` sends a form type) as
+    JSON, so they are parsed instead of failing with a confusing error."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
+            ctype = dict(scope.get("headers", [])).get(b"content-type", b"")
+            if not ctype or ctype.startswith(b"application/x-www-form-urlencoded"):
+                scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: Any, server_config: ServerConfig | None = None) -> FastAPI:
+    """A FastAPI app serving `engine` (an AsyncLLM, already loaded)."""
+    serving = ServingContext(engine, server_config)
+    chat = ServingChat(serving)
+    responses = ServingResponses(serving)
+    messages = ServingMessages(serving)
+    models = ServingModels(serving)
+
+    app = FastAPI(
+        title="ATOM",
+        description="OpenAI- and Anthropic-compatible API of the ATOM inference engine",
+        version="0.1.0",
+    )
+    app.state.serving = serving
+    app.add_middleware(_JSONBodyByDefault)
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList, response_model_exclude_none=True)
+    async def list_models() -> dict[str, Any]:
+        return models.list()
+
+    @app.get(
+        "/v1/models/{model_id:path}",
+        response_model=ModelCard,
+        response_model_exclude_none=True,
+        responses=_ERRORS,
+    )
+    async def get_model(model_id: str) -> dict[str, Any]:
+        return models.get(model_id)
+
+    @app.post("/v1/chat/completions", responses=_ERRORS)
+    async def chat_completions(req: ChatCompletionRequest, raw_request: Request) -> Any:
+        try:
+            return await chat.create(req, raw_request)
+        except ClientDisconnected:
+            return _disconnected()
+
+    @app.post("/v1/responses", responses=_ERRORS)
+    async def create_response(req: ResponsesRequest, raw_request: Request) -> Any:
+        try:
+            return await responses.create(req, raw_request)
+        except ClientDisconnected:
+            return _disconnected()
+
+    @app.post("/v1/messages", responses=_ANTHROPIC_ERRORS)
+    async def create_message(req: AnthropicMessagesRequest, raw_request: Request) -> Any:
+        try:
+            return await messages.create(req, raw_request)
+        except ClientDisconnected:
+            return _disconnected()
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> JSONResponse:
+        return JSONResponse({"name": "atom", "models": serving.served_names, "docs": "/docs"})
+
+    return app
+
+
+def _describe_start(engine: Any, serving: ServingContext, host: str, port: int) -> None:
+    cfg = engine.config
+    stats = serving._engine_stats()
+    blocks = getattr(stats, "num_total_blocks", None)
+    capacity = f"{blocks * cfg.block_size} tokens ({blocks} blocks)" if blocks else "unknown"
+    logger.info(
+        "model %s | dtype %s | device %s | context %d | KV cache %s | adapter %s",
+        serving.model_name,
+        cfg.dtype,
+        cfg.device,
+        serving.limits.context_window,
+        capacity,
+        serving.adapter.name,
+    )
+    logger.info("listening on http://%s:%d (docs at /docs)", host, port)
+
+
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Load the engine and serve until interrupted. A broken model is a one-line error, exit 1."""
+    import uvicorn
+
+    logging.basicConfig(
+        level=getattr(logging, server_config.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from atom.entrypoints.deployments import get_adapter
+
+    try:
+        get_adapter(server_config.model_adapter)  # a wrong adapter name fails before loading
+    except ValueError as e:
+        print(f"atom: {e}", file=sys.stderr)
+        return 1
+    try:
+        from atom.model_engine.async_llm import AsyncLLM
+
+        engine = AsyncLLM(engine_config)
+    except Exception as e:  # a missing or broken model: one line, no traceback
+        where = engine_config.model or "the embedded SmolLM2-135M-Instruct"
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"atom: cannot load model {where}: {msg}", file=sys.stderr)
+        return 1
+    try:
+        try:
+            app = build_app(engine, server_config)
+        except ValueError as e:
+            print(f"atom: {e}", file=sys.stderr)
+            return 1
+        _describe_start(engine, app.state.serving, server_config.host, server_config.port)
+        config = uvicorn.Config(
+            app,
+            host=server_config.host,
+            port=server_config.port,
+            log_level=server_config.log_level.lower(),
+            timeout_graceful_shutdown=5,
+        )
+        server = uvicorn.Server(config)
+        server.run()
+        return 0 if server.started else 1
+    finally:
+        engine.shutdown()

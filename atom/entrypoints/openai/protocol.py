@@ -1,0 +1,328 @@
+"""Every HTTP protocol model in one place: OpenAI Chat, OpenAI Responses, Anthropic Messages and
+model listing. Requests allow unknown extra fields (clients send many); fields with meaning are
+typed so that a wrong value is a 400 naming the field. Responses are built as plain dicts by the
+serving modules (the SDKs define their shapes), with the request models here documenting /docs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from atom.sampling_params import MAX_TOP_LOGPROBS
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+# --------------------------------------------------------------------------------------------
+# OpenAI Chat Completions
+# --------------------------------------------------------------------------------------------
+class ChatTextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ChatImageUrl(_Lenient):
+    url: str
+    detail: str | None = None
+
+
+class ChatImagePart(_Lenient):
+    type: Literal["image_url"]
+    image_url: ChatImageUrl
+
+
+class ChatOtherPart(_Lenient):
+    """input_audio, file, refusal, ...: parsed so the error can name it (no such input here)."""
+
+    type: Literal["input_audio", "file", "refusal", "video_url", "audio_url"]
+
+
+ChatContentPart = Annotated[
+    ChatTextPart | ChatImagePart | ChatOtherPart, Field(discriminator="type")
+]
+
+
+class ChatFunctionCall(_Lenient):
+    name: str
+    arguments: str = ""
+
+
+class ChatToolCall(_Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: ChatFunctionCall
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class ChatThinking(_Lenient):
+    """DeepSeek-style `thinking: {"type": "enabled" | "disabled"}` (Anthropic-like)."""
+
+    type: Literal["enabled", "disabled", "adaptive", "auto"]
+    budget_tokens: int | None = None
+
+
+class ChatCompletionRequest(_Lenient):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    n: int | None = Field(default=1, ge=1, le=1)
+    response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    thinking: ChatThinking | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
+    user: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# OpenAI Responses
+# --------------------------------------------------------------------------------------------
+class ResponsesContentPart(_Lenient):
+    """input_text / output_text / reasoning_text / input_image / input_file / refusal."""
+
+    type: str
+    text: str | None = None
+
+
+class ResponsesMessageItem(_Lenient):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ResponsesContentPart]
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponsesFunctionCallItem(_Lenient):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str = ""
+    id: str | None = None
+
+
+class ResponsesFunctionCallOutputItem(_Lenient):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[ResponsesContentPart]
+    id: str | None = None
+
+
+class ResponsesReasoningItem(_Lenient):
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ResponsesContentPart] = Field(default_factory=list)
+    content: list[ResponsesContentPart] | None = None
+    encrypted_content: str | None = None
+
+
+def _responses_item_type(item: Any) -> str | None:
+    # "Easy" input messages ({"role", "content"}) carry no type.
+    if isinstance(item, dict):
+        return item.get("type", "message" if "role" in item else None)
+    return getattr(item, "type", None)
+
+
+ResponsesInputItem = Annotated[
+    Annotated[ResponsesMessageItem, Tag("message")]
+    | Annotated[ResponsesFunctionCallItem, Tag("function_call")]
+    | Annotated[ResponsesFunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ResponsesReasoningItem, Tag("reasoning")],
+    Discriminator(_responses_item_type),
+]
+
+
+class ResponsesTextConfig(_Lenient):
+    format: dict[str, Any] | None = None
+    verbosity: str | None = None
+
+
+class ResponsesReasoningConfig(_Lenient):
+    effort: str | None = None
+    summary: str | None = None
+
+
+class ResponsesRequest(_Lenient):
+    model: str
+    input: str | list[ResponsesInputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    stream: bool | None = False
+    text: ResponsesTextConfig | None = None
+    reasoning: ResponsesReasoningConfig | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    seed: int | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Anthropic Messages
+# --------------------------------------------------------------------------------------------
+class AnthropicTextBlock(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class AnthropicImageBlock(_Lenient):
+    type: Literal["image", "document"]
+
+
+class AnthropicToolUseBlock(_Lenient):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class AnthropicToolResultBlock(_Lenient):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[dict[str, Any]] | None = None
+    is_error: bool | None = None
+
+
+class AnthropicThinkingBlock(_Lenient):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class AnthropicRedactedThinkingBlock(_Lenient):
+    type: Literal["redacted_thinking"]
+    data: str = ""
+
+
+AnthropicContentBlock = Annotated[
+    AnthropicTextBlock
+    | AnthropicImageBlock
+    | AnthropicToolUseBlock
+    | AnthropicToolResultBlock
+    | AnthropicThinkingBlock
+    | AnthropicRedactedThinkingBlock,
+    Field(discriminator="type"),
+]
+
+
+class AnthropicMessage(_Lenient):
+    role: Literal["user", "assistant"]
+    content: str | list[AnthropicContentBlock]
+
+
+class AnthropicThinkingConfig(_Lenient):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+
+
+class AnthropicOutputConfig(_Lenient):
+    effort: str | None = None
+    format: dict[str, Any] | None = None
+
+
+class AnthropicMessagesRequest(_Lenient):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    # Required by Anthropic; optional here: omitted means min(deployment limit, remaining context).
+    max_tokens: int | None = None
+    system: str | list[AnthropicTextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    stream: bool | None = False
+    thinking: AnthropicThinkingConfig | None = None
+    output_config: AnthropicOutputConfig | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+class ReasoningEffortCard(_Lenient):
+    supported: list[str]
+    default: str | None = None
+
+
+class ModelCard(_Lenient):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "atom"
+    context_window: int | None = None
+    max_output_tokens: int | None = None
+    input_modalities: list[str] | None = None
+    output_modalities: list[str] | None = None
+    reasoning_effort: ReasoningEffortCard | None = None
+    deployment: str | None = None
+
+
+class ModelList(_Lenient):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+class ErrorInfo(_Lenient):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_Lenient):
+    error: ErrorInfo
+
+
+class AnthropicErrorInfo(_Lenient):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(_Lenient):
+    type: Literal["error"] = "error"
+    error: AnthropicErrorInfo

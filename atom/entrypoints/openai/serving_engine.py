@@ -1,0 +1,406 @@
+"""What every endpoint shares: the deployment, prompt rendering, output-cap and effort rules,
+the structured-output hook, and running one request through the engine with metrics, abort on
+disconnect and KV release.
+
+A request's path: protocol model -> chat messages -> render (chat encoder + thinking choice) ->
+tokenize -> output cap -> [structured-output preflight] -> SamplingParams -> engine.generate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+from fastapi import Request
+
+from atom.config import ServerConfig
+from atom.entrypoints.deployments import (
+    DeploymentAdapter,
+    EffortError,
+    ThinkingChoice,
+    deployment_limits,
+    describe_model,
+    get_adapter,
+)
+from atom.entrypoints.encoders import ChatTemplateError, get_encoder
+from atom.entrypoints.openai.errors import APIError, bad_request, model_not_found
+from atom.entrypoints.openai.metrics import ApiMetrics, RequestTracker
+from atom.entrypoints.reasoning import ReasoningDialect, ReasoningParser, get_dialect
+from atom.sampling_params import SamplingParams
+
+logger = logging.getLogger("atom.api")
+
+T = TypeVar("T")
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+@dataclass
+class RenderedPrompt:
+    text: str
+    token_ids: list[int]
+    in_reasoning: bool  # generation starts inside a reasoning block (judged on `text`)
+    thinking: ThinkingChoice
+
+
+# ---------------------------------------------------------------------------------------------
+# STRUCTURED-OUTPUT HOOK: the one place where `atom.structured_output` preflight plugs in.
+# ---------------------------------------------------------------------------------------------
+async def structured_output_preflight(
+    serving: ServingContext,
+    *,
+    request: Any,
+    fmt: dict[str, Any] | None,
+    param: str,
+    rendered: RenderedPrompt,
+    params: SamplingParams,
+    request_id: str,
+    endpoint: str,
+) -> Any:
+    """Check a requested output format before enqueue and return the structured-output spec to
+    set on `params.structured_output` (None for unconstrained requests).
+
+    Called by every endpoint after the prompt is rendered and tokenized and the output cap is
+    resolved (so the context budget is already validated), before the request is enqueued.
+    `fmt` is Chat `response_format`, Responses `text.format` or Messages `output_config.format`;
+    `param` names that field in errors; `request` is the parsed protocol request (stop strings,
+    tools, tool_choice, ignore_eos...); `rendered` carries the prompt text/ids and whether
+    generation starts inside reasoning; `serving.dialect` is the reasoning dialect (`.framed`)
+    and `serving.engine.engine.collective_rpc` reaches every rank for admission.
+
+    Until `atom.structured_output` is wired here, JSON formats are refused with a 400, never
+    silently ignored.
+    """
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or "type" not in fmt:
+        raise bad_request(f"{param} must be an object with a 'type'", param=param)
+    ftype = fmt.get("type")
+    if ftype == "text":
+        return None
+    if ftype in ("json_object", "json_schema"):
+        dialect = serving.dialect
+        if dialect is not None and dialect.framed:
+            raise bad_request(
+                f"{param}: constrained output is not supported with the framed reasoning dialect "
+                f"{dialect.name!r} of this deployment",
+                param=param,
+                code="structured_output_unsupported",
+            )
+        raise bad_request(
+            f"structured output is not enabled yet ({param}.type={ftype!r})",
+            param=param,
+            code="structured_output_unavailable",
+        )
+    raise bad_request(
+        f"unsupported {param}.type {ftype!r}; expected 'text', 'json_object' or 'json_schema'",
+        param=param,
+    )
+
+
+def structured_output_final_check(
+    params: SamplingParams, answer: str, finish_reason: str | None
+) -> str | None:
+    """STRUCTURED-OUTPUT HOOK (final validation): called with the visible answer (reasoning
+    removed) before any success is reported, streaming or not. Returns an error message when a
+    constrained answer fails validation (the endpoint then reports an error: Chat non-stream 500
+    body, Chat stream an error event then [DONE], Responses `failed`); None when fine. An output
+    cap hit mid-JSON is not a validation failure: it is reported as length / incomplete."""
+    if params.structured_output is None or finish_reason == "length":
+        return None
+    return None  # wired later: atom.structured_output.validation.validate_answer
+
+
+class ServingContext:
+    """The served deployment and the engine it runs on."""
+
+    def __init__(self, engine: Any, server_config: ServerConfig | None = None):
+        server_config = server_config or ServerConfig()
+        self.engine = engine
+        self.server_config = server_config
+        self.tokenizer = engine.tokenizer
+        self.hf_config = getattr(engine, "hf_config", None)
+        self.engine_config = engine.config
+        self.model_name: str = engine.model_name
+        self.adapter: DeploymentAdapter = get_adapter(server_config.model_adapter, self.hf_config)
+        self.limits = deployment_limits(
+            self.adapter, self.engine_config.max_model_len, self.hf_config
+        )
+        self.dialect: ReasoningDialect | None = get_dialect(
+            self.adapter.reasoning_dialect, self.tokenizer
+        )
+        self.encoder = get_encoder(self.adapter.chat_encoder, self.tokenizer)
+        self.metrics = ApiMetrics(self._engine_stats)
+        self._token_bytes: dict[int, bytes] = {}
+        self.created = int(time.time())
+
+    def _engine_stats(self) -> Any:
+        stats = getattr(self.engine, "stats", None)
+        return stats() if callable(stats) else None
+
+    # ---- model ----------------------------------------------------------------------------
+    @property
+    def served_names(self) -> list[str]:
+        names = [self.model_name]
+        alias = getattr(self.engine_config, "served_model_name", None)
+        if alias and alias not in names:
+            names.append(alias)
+        return names
+
+    def check_model(self, model: str | None) -> None:
+        if model not in self.served_names:
+            raise model_not_found(str(model), self.served_names)
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        return [
+            describe_model(
+                self.adapter,
+                name,
+                self.created,
+                self.engine_config.max_model_len,
+                self.hf_config,
+            )
+            for name in self.served_names
+        ]
+
+    # ---- thinking -------------------------------------------------------------------------
+    def resolve_thinking(
+        self, effort: str | None, enabled: bool | None, effort_param: str
+    ) -> ThinkingChoice:
+        try:
+            return self.adapter.resolve_thinking(effort, enabled, effort_param)
+        except EffortError as e:
+            raise bad_request(str(e), param=e.param, code="unsupported_reasoning_effort") from e
+
+    # ---- tools ----------------------------------------------------------------------------
+    def filter_tools(self, tools: list[dict[str, Any]] | None, param: str) -> list[dict] | None:
+        """Drop built-in tools the deployment ignores; refuse other hosted tools (never silently
+        ignored); keep function tools for the chat template."""
+        if not tools:
+            return None
+        kept: list[dict[str, Any]] = []
+        for i, tool in enumerate(tools):
+            if self.adapter.is_ignored_tool(tool):
+                continue
+            ttype = tool.get("type", "function")
+            if ttype in ("function", "custom") or "input_schema" in tool:
+                kept.append(tool)
+                continue
+            raise bad_request(
+                f"tool type {ttype!r} is not supported by this deployment", param=f"{param}[{i}]"
+            )
+        return kept or None
+
+    # ---- prompt ---------------------------------------------------------------------------
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        thinking: ThinkingChoice,
+        tools: list[dict[str, Any]] | None,
+        messages_param: str,
+    ) -> RenderedPrompt:
+        try:
+            text = self.encoder.render(messages, tools, self.adapter.template_kwargs(thinking))
+        except ChatTemplateError as e:
+            raise bad_request(str(e), param=messages_param) from e
+        ids = self.encoder.encode(text)
+        in_reasoning = self.dialect.starts_in_reasoning(text) if self.dialect else False
+        return RenderedPrompt(
+            text=text, token_ids=ids, in_reasoning=in_reasoning, thinking=thinking
+        )
+
+    async def render_async(
+        self,
+        messages: list[dict[str, Any]],
+        thinking: ThinkingChoice,
+        tools: list[dict[str, Any]] | None,
+        messages_param: str,
+    ) -> RenderedPrompt:
+        """`render` in a worker thread: long prompts do not stall other streams' events."""
+        return await anyio.to_thread.run_sync(
+            self.render, messages, thinking, tools, messages_param
+        )
+
+    def reasoning_parser(self, rendered: RenderedPrompt) -> ReasoningParser | None:
+        if self.dialect is None:
+            return None
+        return self.dialect.parser(rendered.in_reasoning)
+
+    # ---- output cap -----------------------------------------------------------------------
+    def resolve_cap(
+        self, requested: int | None, param: str, prompt_len: int, input_param: str
+    ) -> int:
+        """Omitted/None: min(deployment limit, remaining context). Explicit: validated, never
+        reduced. A prompt that leaves no room for output is a 400."""
+        context = self.limits.context_window
+        remaining = context - prompt_len
+        if remaining < 1:
+            raise bad_request(
+                f"the prompt is {prompt_len} tokens, which leaves no room for output in the "
+                f"{context}-token context window",
+                param=input_param,
+                code="context_length_exceeded",
+            )
+        if requested is None:
+            return min(self.limits.max_output_tokens, remaining)
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise bad_request(f"{param} must be a positive integer, got {requested!r}", param=param)
+        if requested > self.limits.max_output_tokens:
+            raise bad_request(
+                f"{param}={requested} exceeds this deployment's output limit of "
+                f"{self.limits.max_output_tokens} tokens",
+                param=param,
+                code="max_tokens_exceeded",
+            )
+        if requested > remaining:
+            raise bad_request(
+                f"{param}={requested} plus the {prompt_len}-token prompt exceeds the "
+                f"{context}-token context window (at most {remaining} output tokens remain)",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return requested
+
+    # ---- generation -----------------------------------------------------------------------
+    def make_params(self, **kwargs: Any) -> SamplingParams:
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+
+    async def generate(
+        self,
+        request_id: str,
+        rendered: RenderedPrompt,
+        params: SamplingParams,
+        tracker: RequestTracker,
+    ) -> AsyncIterator[Any]:
+        """engine.generate with metrics; aborts the engine request on any early exit."""
+        tracker.prompt(len(rendered.token_ids))
+        finished = False
+        outcome = "aborted"
+        try:
+            try:
+                stream = self.engine.generate(request_id, rendered.token_ids, params)
+                async for out in stream:
+                    tracker.tokens(len(out.new_token_ids))
+                    if out.finished:
+                        finished = True
+                        outcome = "error" if out.finish_reason == "error" else "success"
+                    yield out
+                    if finished:
+                        return
+            except ValueError as e:
+                # add_request validation (length etc.) before any output.
+                if tracker.last is None:
+                    outcome = "rejected"
+                    raise bad_request(str(e)) from e
+                raise
+        finally:
+            tracker.finish(outcome)
+            if not finished:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await self.engine.abort(request_id)
+                    except Exception:  # already gone
+                        logger.debug("abort of %s failed", request_id, exc_info=True)
+
+    async def collect(
+        self,
+        request_id: str,
+        rendered: RenderedPrompt,
+        params: SamplingParams,
+        tracker: RequestTracker,
+    ) -> tuple[Any, list[Any]]:
+        """Run to completion; returns (final output, all logprobs entries)."""
+        final = None
+        logprobs: list[Any] = []
+        async for out in self.generate(request_id, rendered, params, tracker):
+            if out.logprobs:
+                logprobs.extend(out.logprobs)
+            final = out
+        if final is None:
+            raise APIError("the engine ended the request without output", status=500)
+        return final, logprobs
+
+    # ---- tokens -----------------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes of one token (byte-level BPE pieces of a multi-byte character are
+        partial UTF-8, which `decode` would turn into U+FFFD)."""
+        cached = self._token_bytes.get(token_id)
+        if cached is not None:
+            return cached
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        decoder = _byte_decoder()
+        if isinstance(piece, str) and piece and all(ch in decoder for ch in piece):
+            out = bytes(decoder[ch] for ch in piece)
+            if out.decode("utf-8", errors="replace") != self.token_text(token_id):
+                # Not a byte-level BPE token after all (or normalized): trust decode.
+                if "\ufffd" not in self.token_text(token_id):
+                    out = self.token_text(token_id).encode("utf-8")
+        else:
+            out = self.token_text(token_id).encode("utf-8")
+        if len(self._token_bytes) < 200_000:
+            self._token_bytes[token_id] = out
+        return out
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode (the alphabet of byte-level BPE vocabularies)."""
+    bs = list(range(ord("!"), ord("~") + 1))
+    bs += list(range(ord("\xa1"), ord("\xac") + 1)) + list(range(ord("\xae"), ord("\xff") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+async def run_until_disconnect(raw_request: Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable` unless the client disconnects first; then cancel it (which aborts the
+    engine request) and raise ClientDisconnected."""
+    task = asyncio.ensure_future(awaitable)
+
+    async def listen() -> None:
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    listener = asyncio.ensure_future(listen())
+    try:
+        done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        listener.cancel()
+        raise
+    if task in done:
+        listener.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    raise ClientDisconnected()

@@ -1,0 +1,74 @@
+"""Offline API: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from tqdm import tqdm
+
+from atom.config import EngineConfig
+from atom.model_engine.llm_engine import LLMEngine
+from atom.model_engine.output import RequestOutput
+from atom.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(
+        self, model: str | None = None, *, config: EngineConfig | None = None, **config_overrides
+    ):
+        config = config or EngineConfig()
+        if model is not None:
+            config_overrides["model"] = model
+        self.engine = LLMEngine(dataclasses.replace(config, **config_overrides))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run all prompts to completion (continuous batching); outputs in prompt order, each
+        carrying the logprobs of all its tokens (when asked)."""
+        params = params or SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or a single one for all")
+        order: dict[str, int] = {}
+        for prompt, p in zip(prompts, per_prompt, strict=True):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"llm-{next(self._ids)}"
+            order[rid] = len(order)
+            self.engine.add_request(rid, ids, p)
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        logprobs: dict[str, list] = {rid: [] for rid in order}
+        with tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id not in order:
+                        continue
+                    logprobs[out.request_id] += out.logprobs or []
+                    if out.finished:
+                        lps = logprobs[out.request_id] if out.logprobs is not None else None
+                        results[order[out.request_id]] = dataclasses.replace(out, logprobs=lps)
+                        bar.update()
+        return results  # type: ignore[return-value]
+
+    def chat(
+        self,
+        conversations: list[list[dict]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template (with the generation prompt) and generate."""
+        prompts = [
+            list(
+                self.tokenizer.apply_chat_template(
+                    conv, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+            for conv in conversations
+        ]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)

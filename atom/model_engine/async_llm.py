@@ -1,0 +1,76 @@
+"""asyncio front for the server: the engine loop runs in a background thread; each request's
+outputs reach its own asyncio.Queue through `loop.call_soon_threadsafe`, so the event loop
+never waits on the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+from atom.config import EngineConfig
+from atom.model_engine.llm_engine import LLMEngine
+from atom.model_engine.output import EngineStats, RequestOutput
+from atom.sampling_params import SamplingParams
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig):
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = self.engine.model_name
+        self.config = self.engine.config
+        self.hf_config = self.engine.hf_config
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self.engine.start_background(self._deliver)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Runs on the engine thread."""
+        for out in outputs:
+            with self._lock:
+                entry = self._queues.get(out.request_id)
+            if entry is None:
+                continue
+            loop, q = entry
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, out)
+            except RuntimeError:  # the consumer's loop is closed
+                pass
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield outputs until finished. If the consumer goes away first (client disconnect),
+        the request is aborted and its KV blocks are freed."""
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._queues:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self._queues[request_id] = (asyncio.get_running_loop(), q)
+        finished = False
+        try:
+            self.engine.add_request(request_id, prompt_token_ids, params)
+        except BaseException:
+            with self._lock:
+                self._queues.pop(request_id, None)
+            raise
+        try:
+            while not finished:
+                out = await q.get()
+                finished = out.finished
+                yield out
+        finally:
+            with self._lock:
+                self._queues.pop(request_id, None)
+            if not finished:
+                self.engine.abort_request([request_id])
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort_request([request_id])
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,213 @@
+"""One replica's engine: scheduler + executor + output processing.
+
+It can be stepped inline (offline `LLM`) or run as a busy loop in a background thread (server),
+fed through an input queue of commands: add, abort and utility calls. A utility call runs a method
+of this core on the loop thread, either awaited (a Future) or fire-and-forget.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from atom.config import EngineConfig
+from atom.model_engine.block_manager import BlockManager
+from atom.model_engine.detokenizer import IncrementalDetokenizer
+from atom.model_engine.executor import Executor
+from atom.model_engine.output import RequestOutput, TokenLogprob
+from atom.model_engine.scheduler import Scheduler
+from atom.model_engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+OutputHandler = Callable[[list[RequestOutput]], None]
+
+
+@dataclass
+class _RequestState:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    num_reported: int = 0
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        tokenizer,
+        eos_token_ids: list[int],
+        num_blocks: int,
+    ):
+        self.config = config
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.states: dict[str, _RequestState] = {}
+        self._pending: list[RequestOutput] = []  # produced outside a step (aborts)
+        self._inputs: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    # ---- inline API (the owning thread only) ----
+
+    def add_request(self, seq: Sequence) -> None:
+        self.states[seq.request_id] = _RequestState(
+            seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params)
+        )
+        self.scheduler.add(seq)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for seq in self.scheduler.abort(request_ids):
+            self._pending.append(self._output(self.states[seq.request_id], []))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if not batch.seqs and not batch.finished_seq_ids:
+            return outputs
+        try:
+            result = self.executor.execute_model(batch)
+        except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
+            logger.exception("model step failed")
+            for seq in list(batch.seqs):
+                self.scheduler.finish(seq, "error")
+                outputs.append(self._output(self.states[seq.request_id], [], error=repr(e)))
+            return outputs
+        for seq in self.scheduler.update(batch, result.token_ids):
+            outputs.append(self._process(seq, result.logprobs.get(seq.seq_id)))
+        return outputs
+
+    def collective_rpc(self, method: str, *args, timeout: float | None = None, **kwargs) -> list:
+        return self.executor.collective_rpc(method, *args, timeout=timeout, **kwargs)
+
+    # ---- output processing ----
+
+    def _process(self, seq: Sequence, logprob: TokenLogprob | None) -> RequestOutput:
+        state = self.states[seq.request_id]
+        token = seq.token_ids[-1]
+        stop_str = state.detokenizer.add(token)
+        params = seq.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            self.scheduler.finish(seq, "stop")
+        elif token in params.stop_token_ids:
+            self.scheduler.finish(seq, "stop", token)
+        elif stop_str is not None:
+            self.scheduler.finish(seq, "stop", stop_str)
+        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len:
+            self.scheduler.finish(seq, "length")
+        return self._output(state, [logprob] if logprob is not None else [])
+
+    def _output(
+        self, state: _RequestState, logprobs: list[TokenLogprob], error: str | None = None
+    ) -> RequestOutput:
+        seq = state.seq
+        output_ids = seq.output_token_ids
+        new_ids = output_ids[state.num_reported :]
+        state.num_reported = len(output_ids)
+        if seq.is_finished:
+            state.detokenizer.flush()
+        delta = state.detokenizer.take_delta(seq.is_finished)
+        if seq.is_finished:
+            del self.states[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=output_ids,
+            new_token_ids=new_ids,
+            text=state.detokenizer.emitted_text,
+            delta_text=delta,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=logprobs if seq.params.logprobs is not None else None,
+            error=error,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    # ---- background busy loop ----
+
+    @property
+    def running_in_background(self) -> bool:
+        return self._thread is not None
+
+    def start(self, handler: OutputHandler) -> None:
+        self._handler = handler
+        self._thread = threading.Thread(
+            target=self._busy_loop, name="atom-engine-core", daemon=True
+        )
+        self._thread.start()
+
+    def submit_add(self, seq: Sequence) -> None:
+        self._command(("add", seq))
+
+    def submit_abort(self, request_ids: list[str]) -> None:
+        self._command(("abort", request_ids))
+
+    def call_utility(self, method: str, *args, wait: bool = True, **kwargs) -> Future | None:
+        """Run `self.<method>(*args, **kwargs)` on the loop thread. wait=True returns a Future
+        with the result; wait=False is fire-and-forget."""
+        future: Future | None = Future() if wait else None
+        self._command(("utility", method, args, kwargs, future))
+        return future
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._inputs.put(("shutdown",))
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def _command(self, cmd: tuple) -> None:
+        if self._thread is None:
+            self._handle(cmd)  # inline mode: no loop thread to hand it to
+        else:
+            self._inputs.put(cmd)
+
+    def _handle(self, cmd: tuple) -> bool:
+        kind = cmd[0]
+        if kind == "add":
+            self.add_request(cmd[1])
+        elif kind == "abort":
+            self.abort_requests(cmd[1])
+        elif kind == "utility":
+            _, method, args, kwargs, future = cmd
+            try:
+                result = getattr(self, method)(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - reported to the caller
+                if future is None:
+                    logger.exception("utility command %s failed", method)
+                else:
+                    future.set_exception(e)
+            else:
+                if future is not None:
+                    future.set_result(result)
+        return kind != "shutdown"
+
+    def _busy_loop(self) -> None:
+        while True:
+            idle = not self.has_unfinished()
+            try:
+                cmd = self._inputs.get(block=idle)
+                while True:
+                    if not self._handle(cmd):
+                        return
+                    cmd = self._inputs.get_nowait()
+            except queue.Empty:
+                pass
+            try:
+                outputs = self.step()
+            except Exception:  # noqa: BLE001 - the loop must survive; step already fails requests
+                logger.exception("engine step failed")
+                continue
+            if outputs:
+                self._handler(outputs)

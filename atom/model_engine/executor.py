@@ -1,0 +1,35 @@
+"""Ranks behind one engine replica. `collective_rpc` runs a worker method on every rank and
+returns every rank's answer; this module ships the in-process single-rank executor (worker
+processes over torch.distributed slot in behind the same interface)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from atom.config import EngineConfig
+from atom.model_engine.model_runner import ModelRunner, RunnerOutput
+from atom.model_engine.scheduler import ScheduledBatch
+
+
+class Executor(ABC):
+    @abstractmethod
+    def collective_rpc(
+        self, method: str, *args, timeout: float | None = None, **kwargs
+    ) -> list: ...
+
+    def execute_model(self, batch: ScheduledBatch) -> RunnerOutput:
+        return self.collective_rpc("execute_model", batch)[0]
+
+    def shutdown(self) -> None:
+        return None
+
+
+class InProcExecutor(Executor):
+    """One rank in this process; calls are direct, so `timeout` has nothing to bound."""
+
+    def __init__(self, config: EngineConfig, model_path: Path, hf_config):
+        self.workers = [ModelRunner(config, model_path, hf_config, rank=0)]
+
+    def collective_rpc(self, method: str, *args, timeout: float | None = None, **kwargs) -> list:
+        return [getattr(w, method)(*args, **kwargs) for w in self.workers]

@@ -1,0 +1,165 @@
+"""The engine front: resolves and loads the model, builds replicas and routes requests to them.
+
+Synchronous use (`LLM`): add_request / step. Background use (`AsyncLLM`): `start_background`
+runs every replica's busy loop in its own thread and the same add/abort calls become commands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+from atom.config import EngineConfig
+from atom.model_engine.engine_core import EngineCore, OutputHandler
+from atom.model_engine.executor import InProcExecutor
+from atom.model_engine.output import EngineStats, RequestOutput
+from atom.model_engine.sequence import Sequence
+from atom.model_loader import ModelLoadError, resolve_model, served_name
+from atom.model_loader.weights import load_hf_config
+from atom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - surfaced as a one-line load error
+        raise ModelLoadError(f"cannot load tokenizer from {path}: {e}") from None
+
+
+def _eos_ids(hf_config, tokenizer) -> list[int]:
+    ids: set[int] = set()
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        if config.data_parallel_size != 1 or config.tensor_parallel_size != 1:
+            raise ValueError("this build runs one replica of one rank (dp=1, tp=1)")
+        path = resolve_model(config)
+        self.model_name = served_name(config, path)
+        self.hf_config = load_hf_config(path)
+        self.tokenizer = load_tokenizer(config.tokenizer or path)
+        self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer)
+        config = dataclasses.replace(config, model=str(path))
+        self.executor = executor = InProcExecutor(config, path, self.hf_config)
+        num_blocks = min(info["num_blocks"] for info in executor.collective_rpc("kv_cache_info"))
+        rank0 = executor.collective_rpc("describe")[0]
+        capacity = num_blocks * config.block_size
+        max_len = min(self.hf_config.max_position_embeddings, capacity)
+        if config.max_model_len is not None and config.max_model_len > max_len:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds what the model and KV cache hold "
+                f"({max_len} tokens)"
+            )
+        self.config = dataclasses.replace(
+            config,
+            max_model_len=config.max_model_len or max_len,
+            device=rank0["device"].split(":")[0],
+            dtype=rank0["dtype"].removeprefix("torch."),
+        )
+        self.cores = [
+            EngineCore(self.config, executor, self.tokenizer, self.eos_token_ids, num_blocks)
+        ]
+        self._route: dict[str, EngineCore] = {}
+        self._lock = threading.Lock()
+        logger.info(
+            "model %s (%s), dtype %s, device %s, KV cache %d tokens (%d blocks of %d), "
+            "max_model_len %d",
+            self.model_name,
+            path,
+            self.config.dtype,
+            rank0["device"],
+            capacity,
+            num_blocks,
+            config.block_size,
+            self.config.max_model_len,
+        )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.hf_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{total} exceeds max_model_len {self.config.max_model_len}"
+            )
+        with self._lock:
+            if request_id in self._route:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            core = min(self.cores, key=lambda c: c.scheduler.num_waiting + c.scheduler.num_running)
+            self._route[request_id] = core
+        core.submit_add(Sequence(request_id, prompt_token_ids, params))
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        with self._lock:
+            by_core: dict[int, list[str]] = {}
+            for rid in request_ids:
+                core = self._route.get(rid)
+                if core is not None:
+                    by_core.setdefault(self.cores.index(core), []).append(rid)
+        for idx, rids in by_core.items():
+            self.cores[idx].submit_abort(rids)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = [out for core in self.cores for out in core.step()]
+        self._forget_finished(outputs)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return any(core.has_unfinished() for core in self.cores)
+
+    def collective_rpc(self, method: str, *args, timeout: float | None = None, **kwargs) -> list:
+        results = []
+        for core in self.cores:
+            if core.running_in_background:
+                future = core.call_utility(
+                    "collective_rpc", method, *args, timeout=timeout, **kwargs
+                )
+                results.extend(future.result(timeout))
+            else:
+                results.extend(core.collective_rpc(method, *args, timeout=timeout, **kwargs))
+        return results
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_waiting=sum(c.scheduler.num_waiting for c in self.cores),
+            num_running=sum(c.scheduler.num_running for c in self.cores),
+            num_free_blocks=sum(c.block_manager.num_free_blocks for c in self.cores),
+            num_total_blocks=sum(c.block_manager.num_total_blocks for c in self.cores),
+        )
+
+    def start_background(self, handler: OutputHandler) -> None:
+        """Run each replica's loop in a thread; `handler` receives outputs on that thread."""
+
+        def deliver(outputs: list[RequestOutput]) -> None:
+            self._forget_finished(outputs)
+            handler(outputs)
+
+        for core in self.cores:
+            core.start(deliver)
+
+    def shutdown(self) -> None:
+        for core in self.cores:
+            core.shutdown()
+        self.executor.shutdown()
+
+    def _forget_finished(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            for out in outputs:
+                if out.finished:
+                    self._route.pop(out.request_id, None)

@@ -1,0 +1,84 @@
+"""Structured output: the entry points used by the API preflight and the model runner.
+
+Importing this package is free: every name below is resolved on first use (PEP 562), so ordinary
+requests never load llguidance, RE2, Triton or allocate mask buffers.
+
+API preflight: ``parse_chat_response_format``, ``parse_responses_text_format``,
+``prepare_schema``, ``SchemaError``, ``validate_answer``, ``tokenizer_fingerprint``.
+Model runner: ``StructuredOutputManager`` (admission, bind, fill_masks, commit, release),
+``MaskBuffers`` and ``TokenSnapshot``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_LAZY = {
+    "SchemaError": "schema",
+    "PreparedSchema": "schema",
+    "prepare_schema": "schema",
+    "AnswerValidationError": "validation",
+    "FormatError": "validation",
+    "OutputConstraint": "validation",
+    "parse_chat_response_format": "validation",
+    "parse_responses_text_format": "validation",
+    "validate_answer": "validation",
+    "GrammarError": "backend_guidance",
+    "tokenizer_fingerprint": "backend_guidance",
+    "AdmissionResult": "manager",
+    "GrammarState": "manager",
+    "StructuredOutputManager": "manager",
+    "MaskBuffers": "utils",
+    "TokenSnapshot": "utils",
+}
+
+__all__ = [
+    "AdmissionResult",
+    "AnswerValidationError",
+    "FormatError",
+    "GrammarError",
+    "GrammarState",
+    "MaskBuffers",
+    "OutputConstraint",
+    "PreparedSchema",
+    "SchemaError",
+    "StructuredOutputManager",
+    "TokenSnapshot",
+    "parse_chat_response_format",
+    "parse_responses_text_format",
+    "prepare_schema",
+    "tokenizer_fingerprint",
+    "validate_answer",
+]
+
+if TYPE_CHECKING:
+    from atom.structured_output.backend_guidance import GrammarError, tokenizer_fingerprint
+    from atom.structured_output.manager import (
+        AdmissionResult,
+        GrammarState,
+        StructuredOutputManager,
+    )
+    from atom.structured_output.schema import PreparedSchema, SchemaError, prepare_schema
+    from atom.structured_output.utils import MaskBuffers, TokenSnapshot
+    from atom.structured_output.validation import (
+        AnswerValidationError,
+        FormatError,
+        OutputConstraint,
+        parse_chat_response_format,
+        parse_responses_text_format,
+        validate_answer,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,205 @@
+"""llguidance 1.9.1 adapter: the grammar tokenizer, strict JSON-schema compilation, fingerprints.
+
+llguidance is imported lazily (inside functions) so that ``tokenizer_fingerprint`` stays cheap
+for the API process and importing this module loads nothing heavy.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLParserLimits, LLTokenizer
+
+__all__ = [
+    "GrammarError",
+    "GuidanceBackend",
+    "JSON_OPTIONS",
+    "build_ll_tokenizer",
+    "parser_limits",
+    "tokenizer_fingerprint",
+]
+
+# Applied last (after the schema's own "x-guidance"), so a client can neither turn on lenient
+# compilation (silently ignoring keywords) nor change separators.
+JSON_OPTIONS: dict[str, Any] = {
+    "lenient": False,
+    "coerce_one_of": False,
+    "item_separator": ",",
+    "key_separator": ":",
+    "whitespace_flexible": True,
+    "whitespace_pattern": None,
+}
+MAX_ERROR_CHARS = 300
+
+
+class GrammarError(ValueError):
+    """A schema llguidance rejects in strict mode; the message carries no grammar internals."""
+
+
+def parser_limits() -> LLParserLimits:
+    """Explicit limits (llguidance's defaults, written down) with verbose errors off."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(
+        max_items_in_row=2000,
+        initial_lexer_fuel=1_000_000,
+        step_lexer_fuel=200_000,
+        step_max_items=50_000,
+        max_lexer_states=250_000,
+        max_grammar_size=500_000,
+        precompute_large_lexemes=True,
+        verbose_errors=False,
+    )
+
+
+def _stop_ids(hf_tokenizer: Any, stop_token_ids: Sequence[int] | None) -> list[int]:
+    ids = list(stop_token_ids) if stop_token_ids else [hf_tokenizer.eos_token_id]
+    if not ids or any(not isinstance(i, int) for i in ids):
+        raise ValueError("the tokenizer has no EOS token; pass stop_token_ids")
+    return sorted(set(ids))
+
+
+def _special_ids(hf_tokenizer: Any) -> set[int]:
+    """Added tokens that the HF tokenizer itself marks special (``special=True``)."""
+    return {i for i, tok in hf_tokenizer.added_tokens_decoder.items() if tok.special}
+
+
+def tokenizer_fingerprint(
+    hf_tokenizer: Any, stop_token_ids: Sequence[int] | None, vocab_size: int
+) -> str:
+    """sha256 of the vocabulary, special flags, stop tokens and vocabulary size.
+
+    The API and every worker compute it independently; admission refuses a mismatch, so masks
+    are never built for a different tokenizer than the one that renders and decodes.
+    """
+    h = hashlib.sha256()
+    for token, idx in sorted(hf_tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
+        h.update(f"{idx}\t{token}\n".encode("utf-8", "surrogatepass"))
+    h.update(repr(sorted(_special_ids(hf_tokenizer))).encode())
+    h.update(repr(_stop_ids(hf_tokenizer, stop_token_ids)).encode())
+    h.update(f"vocab={vocab_size}".encode())
+    return h.hexdigest()
+
+
+class _VisibleAddedTokens:
+    """A ``llguidance.TokenizerWrapper``-shaped view of an HF tokenizer.
+
+    llguidance builds its token trie from ``tokens`` (bytes per id) and ``special_token_ids``.
+    Only HF ``special=True`` added tokens and the stop tokens are special here; other added
+    tokens (DeepSeek's ``<think>``) stay visible bytes the grammar can match as text.
+    """
+
+    is_tokenizer_wrapper = True
+
+    def __init__(
+        self, hf_tokenizer: Any, raw: LLTokenizer, tokens: list[bytes], stop_ids: list[int]
+    ) -> None:
+        self.tokens = tokens
+        self.eos_token_id = stop_ids[0]
+        self.bos_token_id = hf_tokenizer.bos_token_id
+        self.special_token_ids = sorted((_special_ids(hf_tokenizer) | set(stop_ids)) - {None})
+        self._raw = raw
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(self._encode(text))
+
+    @functools.lru_cache(maxsize=1 << 16)  # noqa: B019 - one wrapper per worker, kept for life
+    def _encode(self, text: str | bytes) -> tuple[int, ...]:
+        """llguidance calls back here for grammar-forced strings while masking; they repeat.
+
+        Tokenized by llguidance's own Rust reading of the HF tokenizer (the canonical ids).
+        """
+        if isinstance(text, str):
+            text = text.encode()
+        return tuple(self._raw.tokenize_bytes(text))
+
+
+def build_ll_tokenizer(
+    hf_tokenizer: Any, vocab_size: int | None = None, stop_token_ids: Sequence[int] | None = None
+) -> LLTokenizer:
+    """The grammar tokenizer: model token ids, EOS, visible non-special added tokens.
+
+    Token bytes come from llguidance's own reading of the HF tokenizer (byte-level, byte
+    fallback, metaspace...); only the special classification is redone. The vocabulary is
+    padded with empty tokens up to ``vocab_size`` (the LM head), which llguidance never allows.
+    Expensive (seconds for a 129k vocabulary): build once per worker.
+    """
+    import llguidance.hf
+
+    stop_ids = _stop_ids(hf_tokenizer, stop_token_ids)
+    raw = llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=stop_ids)
+    n = raw.vocab_size
+    size = n if vocab_size is None else vocab_size
+    if size < n:
+        raise ValueError(f"the tokenizer has {n} ids but the LM head only {size}")
+    tokens = [raw.decode_bytes([i]) for i in range(n)] + [b""] * (size - n)
+    wrapper = _VisibleAddedTokens(hf_tokenizer, raw, tokens, stop_ids)
+    return llguidance.LLTokenizer(wrapper, eos_token=stop_ids)
+
+
+def _safe_message(text: str) -> str:
+    first = text.strip().splitlines()[0] if text.strip() else "grammar compilation failed"
+    return first[:MAX_ERROR_CHARS]
+
+
+class GuidanceBackend:
+    """Per-worker compiler: one grammar tokenizer, strict compilation, precomputed masks."""
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        lm_head_size: int,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        self.stop_token_ids = _stop_ids(hf_tokenizer, stop_token_ids)
+        self.ll_tokenizer = build_ll_tokenizer(hf_tokenizer, lm_head_size, self.stop_token_ids)
+        self.vocab_size = lm_head_size
+        self.tokenizer_size = len(hf_tokenizer)
+        self.limits = parser_limits()
+
+    def grammar(self, lowered: dict | bool) -> str:
+        """The validated llguidance grammar for a lowered schema (raises ``GrammarError``)."""
+        from llguidance import LLMatcher
+
+        if lowered is False:
+            raise GrammarError("the schema admits no value")
+        schema = {} if lowered is True else {k: v for k, v in lowered.items() if k != "x-guidance"}
+        try:
+            grammar = LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        except (ValueError, TypeError) as exc:
+            raise GrammarError(_safe_message(str(exc))) from None
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(
+            grammar, self.ll_tokenizer, limits=self.limits
+        )
+        if is_error:
+            raise GrammarError(_safe_message(messages[0] if messages else ""))
+        return grammar
+
+    def compile(self, lowered: dict | bool) -> LLMatcher:
+        """A pristine matcher for the schema; requests get ``deep_copy()`` of it."""
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(
+            self.ll_tokenizer, self.grammar(lowered), log_level=0, limits=self.limits
+        )
+        if matcher.is_error():
+            raise GrammarError(_safe_message(matcher.get_error()))
+        return matcher
+
+    def token_mask(self, token_ids: Sequence[int]) -> np.ndarray:
+        """A packed int32 row allowing exactly ``token_ids``."""
+        bits = np.zeros(((self.vocab_size + 31) // 32) * 32, dtype=np.uint8)
+        bits[list(token_ids)] = 1
+        return np.packbits(bits, bitorder="little").view(np.int32)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.ll_tokenizer.decode_bytes([token_id])
+
+    def tokenize_bytes(self, data: bytes) -> list[int]:
+        return self.ll_tokenizer.tokenize_bytes(data)

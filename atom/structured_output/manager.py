@@ -1,0 +1,342 @@
+"""Per-worker structured-output state: admission, cached compilation, per-request grammar state.
+
+Ordering per decoding step (the model runner does the wiring):
+
+1. ``fill_masks(rows, batch)``: for each request its committed-state row, then one row per draft
+   prefix (drafts are consumed speculatively and rolled back in a ``finally``);
+2. the runner applies the rows to the target/bonus logits (``utils.MaskBuffers``);
+3. ``commit(request_id, new_token_ids)`` once the scheduler acknowledges sampled tokens.
+
+Admission compiles in a background thread; the ready-cache lock is held only for dictionary
+updates, never across compilation. A request's matcher is a ``deep_copy`` of the cached template,
+so it keeps the compiled grammar after cache eviction. A grammar failure marks only its request.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from atom.structured_output.backend_guidance import GrammarError, GuidanceBackend
+from atom.structured_output.utils import fill_bitmask_row
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+__all__ = ["AdmissionResult", "GrammarState", "StructuredOutputManager"]
+
+JSON_WHITESPACE = b" \t\r\n"
+
+
+@dataclass(frozen=True)
+class AdmissionResult:
+    status: Literal["ready", "pending", "error"]
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class _Failed:
+    message: str
+
+
+def _grammar_source(spec: Any) -> tuple[str, dict | bool]:
+    """(cache key, lowered schema) of a ``PreparedSchema`` or an ``OutputConstraint``."""
+    prepared = getattr(spec, "prepared", spec)
+    return prepared.key, prepared.lowered
+
+
+class GrammarState:
+    """One request's grammar: its own matcher plus the reasoning-activation state.
+
+    With an ``end_marker`` the state starts inactive (unconstrained) and watches the output bytes;
+    once the marker text has fully appeared, whether as one token or as byte pieces, the grammar
+    is active. Bytes after the marker inside the same token are fed to the matcher (leading JSON
+    whitespace is dropped: it is insignificant to the answer, and llguidance's JSON grammar does
+    not start with whitespace).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        matcher: LLMatcher,
+        backend: GuidanceBackend,
+        masks: dict[str, torch.Tensor],
+        end_marker: bytes | None,
+    ) -> None:
+        self.request_id = request_id
+        self.matcher = matcher
+        self.error: str | None = None
+        self._backend = backend
+        self._masks = masks
+        self._marker = end_marker or b""
+        self.active = not self._marker
+        self._tail = b""
+        # Per committed token: (matcher tokens consumed, active before, tail before), for rollback.
+        self._history: list[tuple[int, bool, bytes]] = []
+
+    @property
+    def finished(self) -> bool:
+        """The grammar accepted EOS (or can take nothing but EOS)."""
+        return self.active and self.matcher.is_stopped() and not self.matcher.is_error()
+
+    def _consume(self, tokens: Sequence[int], speculative: bool) -> bool:
+        if not tokens:
+            return True
+        if speculative:  # never drive the committed matcher into its sticky error state
+            return self.matcher.try_consume_tokens(list(tokens)) == len(tokens)
+        # One at a time: llguidance 1.9.1 accepts EOS after a stop only through consume_token.
+        return all(self.matcher.consume_token(t) for t in tokens)
+
+    def _advance(self, token: int, speculative: bool) -> tuple[bool, int]:
+        """Feed one output token; returns (accepted, matcher tokens consumed)."""
+        if self.active:
+            ok = self._consume([token], speculative)
+            return ok, int(ok)
+        data = self._tail + self._backend.token_bytes(token)
+        at = data.find(self._marker)
+        if at < 0:
+            self._tail = data[len(data) - len(self._marker) + 1 :]
+            return True, 0
+        self.active, self._tail = True, b""
+        rest = data[at + len(self._marker) :].lstrip(JSON_WHITESPACE)
+        if not rest:
+            return True, 0
+        extra = self._backend.tokenize_bytes(rest)
+        if not speculative:
+            return self._consume(extra, speculative=False), len(extra)
+        consumed = self.matcher.try_consume_tokens(extra)
+        if consumed == len(extra):
+            return True, consumed
+        if consumed:
+            self.matcher.rollback(consumed)
+        return False, 0
+
+    def commit(self, tokens: Sequence[int]) -> bool:
+        """Advance the committed state; a rejected token marks this request failed."""
+        for token in tokens:
+            if self.error is not None:
+                return False
+            before = (self.active, self._tail)
+            ok, consumed = self._advance(token, speculative=False)
+            if not ok:
+                self.error = "structured output: the grammar rejected a generated token"
+                return False
+            self._history.append((consumed, *before))
+        return self.error is None
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` commits (replay of unacknowledged tokens)."""
+        if num_tokens > len(self._history):
+            raise ValueError("cannot roll back more tokens than were committed")
+        undo = self._history[len(self._history) - num_tokens :]
+        del self._history[len(self._history) - num_tokens :]
+        consumed = sum(n for n, _, _ in undo)
+        if consumed and not self.matcher.rollback(consumed):
+            self.error = "structured output: grammar rollback failed"
+        if undo:
+            self.active, self._tail = undo[0][1], undo[0][2]
+
+    def _fill_row(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.error is not None:
+            bitmask[row] = self._masks["stop"]
+        elif not self.active:
+            bitmask[row] = self._masks["free"]
+        elif self.matcher.is_stopped():  # terminated: only EOS remains
+            bitmask[row] = self._masks["stop"]
+        else:
+            fill_bitmask_row(self.matcher, bitmask, row)
+            if self.matcher.is_error():
+                self.error = "structured output: grammar failure"
+                bitmask[row] = self._masks["stop"]
+
+    def fill_rows(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int]) -> int:
+        """Rows ``row .. row + len(drafts)``: the mask after each draft prefix; state unchanged.
+
+        Rows after a draft the grammar rejects are unreachable and get the stop mask.
+        """
+        if not drafts:
+            self._fill_row(bitmask, row)
+            return 1
+        saved = (self.active, self._tail)
+        consumed = 0
+        try:
+            for j in range(len(drafts) + 1):
+                self._fill_row(bitmask, row + j)
+                if j == len(drafts) or self.error is not None:
+                    continue
+                ok, n = self._advance(drafts[j], speculative=True)
+                consumed += n
+                if not ok:
+                    bitmask[row + j + 1 : row + len(drafts) + 1] = self._masks["stop"]
+                    break
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)
+            self.active, self._tail = saved
+        return len(drafts) + 1
+
+
+class StructuredOutputManager:
+    """One per worker (rank): admission, a bounded compile cache, live request states."""
+
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        *,
+        vocab_size: int,
+        lm_head_size: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        cache_size: int = 64,
+        compile_threads: int = 1,
+    ) -> None:
+        from atom.structured_output.backend_guidance import tokenizer_fingerprint
+
+        self.vocab_size = vocab_size
+        self.lm_head_size = lm_head_size or vocab_size
+        if self.lm_head_size < vocab_size:
+            raise ValueError("the LM head is smaller than the configured vocabulary")
+        self.backend = GuidanceBackend(hf_tokenizer, self.lm_head_size, stop_token_ids)
+        self.fingerprint = tokenizer_fingerprint(
+            hf_tokenizer, self.backend.stop_token_ids, vocab_size
+        )
+        real = range(self.backend.tokenizer_size)
+        self.masks = {
+            "stop": torch.from_numpy(self.backend.token_mask(self.backend.stop_token_ids)),
+            "free": torch.from_numpy(self.backend.token_mask(real)),
+        }
+        self.cache_size = cache_size
+        self._lock = threading.Lock()
+        self._ready: OrderedDict[str, LLMatcher | _Failed] = OrderedDict()
+        self._pending: dict[str, Future] = {}
+        self._states: dict[str, GrammarState] = {}
+        self._executor = ThreadPoolExecutor(compile_threads, thread_name_prefix="atom-grammar")
+
+    # ---- admission ---------------------------------------------------------------------------
+
+    def admit(
+        self, spec: Any, api_fingerprint: str, vocab_size: int, wait_s: float = 0.0
+    ) -> AdmissionResult:
+        """Check compatibility, then report the grammar ready, pending (compiling) or an error.
+
+        Admission RPCs poll: the first call starts a background compile and usually answers
+        ``pending``; ``wait_s`` bounds how long this call may wait for it (outside the lock).
+        """
+        from atom import envs
+
+        if envs.enable_relaxed_mtp():
+            return AdmissionResult("error", "structured output is disabled with relaxed MTP")
+        if api_fingerprint != self.fingerprint:
+            return AdmissionResult(
+                "error", "the API tokenizer or stop tokens differ from the worker's"
+            )
+        if vocab_size != self.vocab_size:
+            return AdmissionResult(
+                "error",
+                f"configured vocabulary {vocab_size} does not match the LM head "
+                f"({self.vocab_size})",
+            )
+        key, lowered = _grammar_source(spec)
+        with self._lock:
+            entry = self._ready.get(key)
+            if entry is not None:
+                self._ready.move_to_end(key)
+                return self._result(entry)
+            future = self._pending.get(key)
+            if future is None:
+                future = self._executor.submit(self._compile, key, lowered)
+                self._pending[key] = future
+        if wait_s > 0:
+            wait_futures([future], timeout=wait_s)
+        if future.done():
+            return self._result(future.result())
+        return AdmissionResult("pending")
+
+    @staticmethod
+    def _result(entry: LLMatcher | _Failed) -> AdmissionResult:
+        if isinstance(entry, _Failed):
+            return AdmissionResult("error", entry.message)
+        return AdmissionResult("ready")
+
+    def _compile(self, key: str, lowered: dict | bool) -> LLMatcher | _Failed:
+        """Background thread: compile without the lock, then publish under it."""
+        try:
+            entry: LLMatcher | _Failed = self.backend.compile(lowered)
+        except GrammarError as exc:
+            entry = _Failed(f"schema not supported: {exc}")
+        except Exception as exc:  # noqa: BLE001 - any compiler failure is this schema's error
+            entry = _Failed(f"grammar compilation failed: {type(exc).__name__}")
+        with self._lock:
+            self._pending.pop(key, None)
+            self._ready[key] = entry
+            self._ready.move_to_end(key)
+            while len(self._ready) > self.cache_size:
+                self._ready.popitem(last=False)
+        return entry
+
+    # ---- request states ----------------------------------------------------------------------
+
+    def bind(self, request_id: str, key: str, end_marker: bytes | None = None) -> GrammarState:
+        """Give a request its own matcher (admission must have answered ``ready``)."""
+        with self._lock:
+            if request_id in self._states:
+                raise ValueError(f"request {request_id!r} already has a grammar state")
+            entry = self._ready.get(key)
+            if entry is not None:
+                self._ready.move_to_end(key)
+        if entry is None:
+            raise LookupError("grammar not compiled (admit the request first)")
+        if isinstance(entry, _Failed):
+            raise ValueError(entry.message)
+        state = GrammarState(request_id, entry.deep_copy(), self.backend, self.masks, end_marker)
+        with self._lock:
+            self._states[request_id] = state
+        return state
+
+    def state(self, request_id: str) -> GrammarState | None:
+        return self._states.get(request_id)
+
+    def release(self, request_id: str) -> None:
+        """Drop a request's state; idempotent (every terminal path may call it)."""
+        with self._lock:
+            self._states.pop(request_id, None)
+
+    def commit(self, request_id: str, new_token_ids: Sequence[int]) -> bool:
+        """Advance the committed state; False (and ``error(request_id)``) on a grammar failure."""
+        return self._states[request_id].commit(new_token_ids)
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        self._states[request_id].rollback(num_tokens)
+
+    def error(self, request_id: str) -> str | None:
+        state = self._states.get(request_id)
+        return None if state is None else state.error
+
+    def fill_masks(self, bitmask: torch.Tensor, batch: Sequence[tuple[str, Sequence[int]]]) -> int:
+        """Fill consecutive rows from row 0: per request, ``1 + len(drafts)`` rows in order.
+
+        Returns the number of rows filled.
+        """
+        row = 0
+        for request_id, drafts in batch:
+            row += self._states[request_id].fill_rows(bitmask, row, drafts)
+        return row
+
+    # ---- counters and shutdown ---------------------------------------------------------------
+
+    @property
+    def num_live_states(self) -> int:
+        return len(self._states)
+
+    @property
+    def num_cached_grammars(self) -> int:
+        return len(self._ready)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,174 @@
+"""Chat/Responses output-format parsing and the final answer validator.
+
+Parsing turns client formats into an :class:`OutputConstraint` (or a 4xx naming the param);
+the validator re-checks the visible answer so an invalid JSON result is an error, never a
+success, whatever the grammar let through.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from atom.structured_output.schema import (
+    PreparedSchema,
+    SchemaError,
+    canonical,
+    prepare_schema,
+    re2_validator,
+)
+
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+_VALIDATOR_CACHE_SIZE = 32
+
+
+class FormatError(ValueError):
+    """A malformed or unsupported output format; ``param`` names the request field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(f"{message} (param: {param})")
+        self.message = message
+        self.param = param
+
+
+class AnswerValidationError(ValueError):
+    """The visible answer does not satisfy the requested format."""
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    kind: Literal["json_object", "json_schema"]
+    name: str | None
+    schema: object | None
+    strict: bool | None
+    prepared: PreparedSchema
+
+
+def _json_object() -> OutputConstraint:
+    return OutputConstraint("json_object", None, None, None, prepare_schema({"type": "object"}))
+
+
+def _json_schema(fields: dict, prefix: str, allowed: set[str]) -> OutputConstraint:
+    """Shared json_schema checks; ``prefix`` is the param path holding name/schema/strict."""
+    unknown = sorted(set(fields) - allowed)
+    if unknown:
+        raise FormatError(f"unknown field {unknown[0]!r}", f"{prefix}.{unknown[0]}")
+    name = fields.get("name")
+    if not isinstance(name, str) or not 1 <= len(name) <= 64 or not set(name) <= _NAME_CHARS:
+        raise FormatError(
+            "name is required: 1-64 characters among a-z, A-Z, 0-9, '_' and '-'", f"{prefix}.name"
+        )
+    description = fields.get("description")
+    if description is not None and not isinstance(description, str):
+        raise FormatError("description must be a string", f"{prefix}.description")
+    strict = fields.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise FormatError("strict must be a Boolean", f"{prefix}.strict")
+    if "schema" not in fields:
+        raise FormatError("schema is required", f"{prefix}.schema")
+    schema = fields["schema"]
+    if not isinstance(schema, (dict, bool)):
+        raise FormatError("schema must be a JSON Schema object", f"{prefix}.schema")
+    try:
+        prepared = prepare_schema(schema)
+    except SchemaError as exc:
+        raise FormatError(str(exc), f"{prefix}.schema") from None
+    return OutputConstraint("json_schema", name, schema, strict, prepared)
+
+
+def parse_chat_response_format(rf: object) -> OutputConstraint | None:
+    """Chat ``response_format``: None for absent or text."""
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise FormatError("response_format must be an object", "response_format")
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _json_object()
+    if kind != "json_schema":
+        raise FormatError(
+            "type must be 'text', 'json_object' or 'json_schema'", "response_format.type"
+        )
+    fields = rf.get("json_schema")
+    if not isinstance(fields, dict):
+        raise FormatError("json_schema must be an object", "response_format.json_schema")
+    return _json_schema(
+        fields, "response_format.json_schema", {"name", "schema", "strict", "description"}
+    )
+
+
+def parse_responses_text_format(fmt: object) -> OutputConstraint | None:
+    """Responses ``text.format``: None for absent or text."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise FormatError("format must be an object", "text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _json_object()
+    if kind != "json_schema":
+        raise FormatError("type must be 'text', 'json_object' or 'json_schema'", "text.format.type")
+    fields = {k: v for k, v in fmt.items() if k != "type"}
+    return _json_schema(fields, "text.format", {"name", "schema", "strict", "description"})
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise AnswerValidationError("the answer repeats an object key")
+    return obj
+
+
+def _no_constant(name: str) -> None:
+    raise AnswerValidationError(f"{name} is not JSON")
+
+
+_validators: OrderedDict[str, Any] = OrderedDict()
+_validators_lock = threading.Lock()
+
+
+def _validator(schema: object) -> Any:
+    """Bounded cache: validators hold a crawled registry worth reusing for repeated schemas."""
+    key = hashlib.sha256(canonical(schema).encode()).hexdigest()
+    with _validators_lock:
+        hit = _validators.get(key)
+        if hit is not None:
+            _validators.move_to_end(key)
+            return hit
+    validator = re2_validator(schema)
+    with _validators_lock:
+        _validators[key] = validator
+        while len(_validators) > _VALIDATOR_CACHE_SIZE:
+            _validators.popitem(last=False)
+    return validator
+
+
+def validate_answer(constraint: OutputConstraint, text: str) -> None:
+    """Raise AnswerValidationError unless ``text`` is one JSON value satisfying the constraint."""
+    try:
+        value = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except AnswerValidationError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise AnswerValidationError(f"the answer is not valid JSON: {exc}") from None
+    if constraint.kind == "json_object":
+        if not isinstance(value, dict):
+            raise AnswerValidationError("the answer is not a JSON object")
+        return
+    try:
+        error = next(iter(_validator(constraint.prepared.original).iter_errors(value)), None)
+    except Exception as exc:  # never let a validator failure read as success
+        raise AnswerValidationError(f"the answer could not be validated: {exc}") from None
+    if error is not None:
+        where = "/" + "/".join(str(p) for p in error.absolute_path)
+        raise AnswerValidationError(
+            f"the answer does not match the schema at {where}: {error.message}"
+        )

@@ -1,0 +1,50 @@
+"""Shared fixtures: a tiny random-weight Llama (shapes only) and the embedded SmolLM2 (behaviour).
+
+Tests run offline and use the real cache dir (~/.cache/atom unless ATOM_CACHE_DIR is set), so the
+embedded GGUF is dequantized once per machine, not once per run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("ATOM_CACHE_DIR", str(Path.home() / ".cache" / "atom"))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct as a safetensors folder (converted once)."""
+    from atom.config import EngineConfig
+    from atom.model_loader import resolve_model
+
+    return resolve_model(EngineConfig())
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
+    """A 2-layer random-weight Llama with the SmolLM2 tokenizer (fixed seed)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(folder)
+    return folder

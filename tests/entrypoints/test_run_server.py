@@ -1,0 +1,71 @@
+"""`atom serve` start-up: a broken model is a one-line error with exit 1; a good one logs the
+model, dtype, device, KV capacity and listening address, then serves."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from atom.config import EngineConfig, ServerConfig
+from atom.entrypoints.openai.api_server import run_server
+
+
+def test_broken_model_path_is_one_line_and_exit_1(tmp_path, capsys):
+    rc = run_server(EngineConfig(model=str(tmp_path / "missing")), ServerConfig(port=1))
+    assert rc == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "missing" in err and "Traceback" not in err
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    assert run_server(EngineConfig(model=str(broken)), ServerConfig(port=1)) == 1
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_unknown_adapter_is_one_line_and_exit_1(capsys):
+    assert run_server(EngineConfig(), ServerConfig(model_adapter="nope")) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "generic" in err
+
+
+@pytest.mark.slow
+def test_cli_serve_logs_and_serves(smollm2_dir):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "atom.cli", "serve", "--model", str(smollm2_dir)]
+    cmd += ["--port", str(port), "--max-model-len", "256", "--kv-cache-bytes", str(16 << 20)]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).json()
+                break
+            except httpx.HTTPError:
+                assert proc.poll() is None, proc.stdout.read()
+                assert time.monotonic() < deadline, "server did not start"
+                time.sleep(0.5)
+        assert models["data"][0]["context_window"] == 256
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode in (0, 130), out  # 130: stopped by Ctrl-C (SIGINT)
+    assert f"listening on http://127.0.0.1:{port}" in out
+    for word in ("model ", "dtype float32", "device cpu", "KV cache ", " tokens"):
+        assert word in out, (word, out)
