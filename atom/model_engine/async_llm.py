@@ -5,6 +5,7 @@ never waits on the engine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator
 
@@ -21,6 +22,7 @@ class AsyncLLM:
         self.model_name = self.engine.model_name
         self.config = self.engine.config
         self.hf_config = self.engine.hf_config
+        self.eos_token_ids = self.engine.eos_token_ids
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self.engine.start_background(self._deliver)
@@ -65,6 +67,29 @@ class AsyncLLM:
                 self._queues.pop(request_id, None)
             if not finished:
                 self.engine.abort_request([request_id])
+
+    async def collective_rpc(self, method: str, *args, **kwargs) -> list:
+        """Run a worker method on every rank of every replica; the event loop never blocks.
+
+        Each replica runs the call on its engine loop between steps (a utility command). If the
+        awaiting task is cancelled, the already-queued calls are settled (awaited to completion)
+        before the cancellation propagates, so nothing they do lands after the caller's cleanup.
+        """
+        futures = [
+            asyncio.wrap_future(core.call_utility("collective_rpc", method, *args, **kwargs))
+            for core in self.engine.cores
+        ]
+        gathered = asyncio.gather(*futures)
+        try:
+            per_core = await asyncio.shield(gathered)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await gathered
+            raise
+        return [r for results in per_core for r in results]
+
+    def structured_output_stats(self) -> dict[str, int]:
+        return self.engine.structured_output_stats()
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort_request([request_id])

@@ -53,6 +53,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.block_manager)
         self.states: dict[str, _RequestState] = {}
         self._pending: list[RequestOutput] = []  # produced outside a step (aborts)
+        self._grammar_release: list[str] = []  # finished constrained requests, not yet released
         self._inputs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
 
@@ -67,6 +68,7 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         for seq in self.scheduler.abort(request_ids):
             self._pending.append(self._output(self.states[seq.request_id], []))
+        self._flush_grammar_release()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
@@ -83,13 +85,34 @@ class EngineCore:
             for seq in list(batch.seqs):
                 self.scheduler.finish(seq, "error")
                 outputs.append(self._output(self.states[seq.request_id], [], error=repr(e)))
+            self._flush_grammar_release()
             return outputs
         for seq in self.scheduler.update(batch, result.token_ids):
             outputs.append(self._process(seq, result.logprobs.get(seq.seq_id)))
+        if result.errors:  # structured-output failures end only their own requests
+            for seq in batch.seqs:
+                error = result.errors.get(seq.seq_id)
+                if error is not None and not seq.is_finished:
+                    self.scheduler.finish(seq, "error")
+                    outputs.append(self._output(self.states[seq.request_id], [], error=error))
+        self._flush_grammar_release()
         return outputs
 
     def collective_rpc(self, method: str, *args, timeout: float | None = None, **kwargs) -> list:
         return self.executor.collective_rpc(method, *args, timeout=timeout, **kwargs)
+
+    # ---- structured output ownership ----
+
+    def release_structured(self, request_ids: list[str]) -> None:
+        """Drop these requests' grammar state on every rank (idempotent on the workers)."""
+        self.executor.collective_rpc("structured_output_release", request_ids)
+
+    def _flush_grammar_release(self) -> None:
+        """Completion cleanup of constrained requests: a fire-and-forget utility command, so the
+        thread delivering outputs never waits for its own reply. Ordinary requests send none."""
+        if self._grammar_release:
+            ids, self._grammar_release = self._grammar_release, []
+            self.call_utility("release_structured", ids, wait=False)
 
     # ---- output processing ----
 
@@ -120,6 +143,8 @@ class EngineCore:
         delta = state.detokenizer.take_delta(seq.is_finished)
         if seq.is_finished:
             del self.states[seq.request_id]
+            if seq.params.structured_output is not None:
+                self._grammar_release.append(seq.request_id)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -181,6 +206,8 @@ class EngineCore:
             self.abort_requests(cmd[1])
         elif kind == "utility":
             _, method, args, kwargs, future = cmd
+            if future is not None and not future.set_running_or_notify_cancel():
+                return True  # the caller gave up before it ran
             try:
                 result = getattr(self, method)(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - reported to the caller

@@ -21,6 +21,10 @@ class Executor(ABC):
     def execute_model(self, batch: ScheduledBatch) -> RunnerOutput:
         return self.collective_rpc("execute_model", batch)[0]
 
+    def structured_output_stats(self) -> list[dict]:
+        """Per-rank structured-output counters, read without waiting for the engine loop."""
+        return []
+
     def shutdown(self) -> None:
         return None
 
@@ -33,3 +37,10 @@ class InProcExecutor(Executor):
 
     def collective_rpc(self, method: str, *args, timeout: float | None = None, **kwargs) -> list:
         return [getattr(w, method)(*args, **kwargs) for w in self.workers]
+
+    def structured_output_stats(self) -> list[dict]:
+        return [w.structured_output_stats() for w in self.workers]
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            w.shutdown()

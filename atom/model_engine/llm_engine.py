@@ -135,6 +135,14 @@ class LLMEngine:
                 results.extend(core.collective_rpc(method, *args, timeout=timeout, **kwargs))
         return results
 
+    def structured_output_stats(self) -> dict[str, int]:
+        """Live grammar states and cached grammars over every rank (0 when never used)."""
+        total = {"live_grammar_states": 0, "cached_grammars": 0}
+        for stats in self.executor.structured_output_stats():
+            for k in total:
+                total[k] += stats.get(k, 0)
+        return total
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_waiting=sum(c.scheduler.num_waiting for c in self.cores),

@@ -1,24 +1,32 @@
 """One rank's worker: owns the model and its KV cache, runs one scheduled batch per call.
 
-inputs -> forward -> logits (ParallelLMHead) -> raw logprobs -> logits mask hook -> sampler.
+inputs -> forward -> [commit acknowledged grammar tokens] -> logits (ParallelLMHead) -> raw
+logprobs -> [grammar mask of constrained target rows] -> sampler.
 Every public method is callable by name through `Executor.collective_rpc`.
+
+Structured output (bracketed steps) is initialized on the first admission RPC, in a background
+thread, and touched only by batches that carry constrained requests: an ordinary batch imports
+nothing of `atom.structured_output`, allocates no mask buffer and loads no kernel.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from atom.config import EngineConfig
 from atom.model_engine.output import TokenLogprob
-from atom.model_engine.scheduler import ScheduledBatch
+from atom.model_engine.scheduler import GrammarUpdate, ScheduledBatch
 from atom.model_engine.sequence import Sequence
 from atom.model_loader.weights import build_model
 from atom.model_ops.attention import prepare_attention
 from atom.model_ops.context import AttentionContext, set_context
+from atom.model_ops.embed_head import ParallelLMHead
 from atom.model_ops.sampler import Sampler, SamplingTensors, compute_logprobs
 from atom.models.llama import head_dim_of
 
@@ -33,6 +41,8 @@ class RunnerOutput:
 
     token_ids: dict[int, int]
     logprobs: dict[int, TokenLogprob]
+    # Structured-output failures by sequence id: the request ends with finish_reason "error".
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -51,6 +61,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, hf_config, rank: int = 0):
         self.config = config
         self.rank = rank
+        self.model_path = model_path
+        self.hf_config = hf_config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
@@ -59,6 +71,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
         self._allocate_kv_cache(hf_config)
+        # Structured output, all lazy (see the module docstring).
+        self._so_manager: Any = None
+        self._so_init: threading.Thread | None = None
+        self._so_init_error: str | None = None
+        self._so_failed: dict[str, str] = {}  # request id -> bind failure
+        self._mask_buffers: Any = None
 
     def _allocate_kv_cache(self, hf_config) -> None:
         """Size the paged cache by bytes (CPU default 512 MiB) or a share of free GPU memory."""
@@ -96,16 +114,22 @@ class ModelRunner:
             return RunnerOutput({}, {})
         input_ids, positions, rows = self._prepare_inputs(batch)
         hidden = self.model(input_ids, positions)
+        if batch.grammar_updates:  # after submitting the forward: host work overlaps it on GPU
+            self._grammar_sync(batch.grammar_updates)
         sample_seqs = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         if not sample_seqs:
             return RunnerOutput({}, {})
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         want = [s.params.logprobs for s in sample_seqs if s.params.logprobs is not None]
         raw_logprobs = logits.log_softmax(dim=-1) if want else None  # before any mask
-        self.apply_logits_mask(logits, sample_seqs)
+        errors = self.apply_logits_mask(logits, sample_seqs)
         token_ids = self.sampler(logits, self._sampling_tensors(sample_seqs))
         ids = token_ids.tolist()
-        out = RunnerOutput({s.seq_id: t for s, t in zip(sample_seqs, ids, strict=True)}, {})
+        out = RunnerOutput(
+            {s.seq_id: t for s, t in zip(sample_seqs, ids, strict=True) if s.seq_id not in errors},
+            {},
+            errors,
+        )
         if raw_logprobs is not None:
             lp = compute_logprobs(raw_logprobs, token_ids, max(want))
             sampled, top_ids, top_lps = lp.sampled.tolist(), lp.top_ids.tolist(), lp.top.tolist()
@@ -116,12 +140,141 @@ class ModelRunner:
                     out.logprobs[s.seq_id] = TokenLogprob(ids[i], sampled[i], top)
         return out
 
-    def apply_logits_mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Hook for the structured-output grammar mask: in place, after raw logprobs were taken,
-        before sampling. A no-op unless a request in the batch carries `params.structured_output`."""
-        if all(s.params.structured_output is None for s in seqs):
+    def apply_logits_mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, str]:
+        """Grammar-mask the constrained rows of `logits` in place (after raw logprobs were taken,
+        before sampling). Returns structured-output errors by sequence id; those requests end
+        with "error" and their sampled token is dropped. A no-op for ordinary batches."""
+        rows = [i for i, s in enumerate(seqs) if s.params.structured_output is not None]
+        if not rows:
+            return {}
+        mgr = self._so_manager
+        errors: dict[int, str] = {}
+        live: list[tuple[str, tuple]] = []
+        live_rows: list[int] = []
+        for i in rows:
+            seq = seqs[i]
+            state = mgr.state(seq.request_id) if mgr is not None else None
+            message = self._so_failed.get(seq.request_id)
+            if message is None and state is None:
+                message = "structured output: this request has no grammar state on this rank"
+            if message is None and state.error is not None:
+                message = state.error
+            if message is not None:
+                errors[seq.seq_id] = message
+                continue
+            live.append((seq.request_id, ()))
+            live_rows.append(i)
+        if not live:
+            return errors
+        if self._mask_buffers is None:
+            from atom.structured_output.utils import MaskBuffers
+
+            self._mask_buffers = MaskBuffers(logits.shape[1], self.device)
+        host = self._mask_buffers.host_rows(len(live))
+        mgr.fill_masks(host, live)
+        for (rid, _), i in zip(live, live_rows, strict=True):
+            error = mgr.error(rid)  # a matcher failure while masking: stop mask, then error
+            if error is not None:
+                errors[seqs[i].seq_id] = error
+        self._mask_buffers.apply(logits, len(live), live_rows)
+        return errors
+
+    # ---- structured output (worker side) ------------------------------------------------------
+
+    def structured_output_admit(
+        self, spec: Any, api_fingerprint: str, vocab_size: int, wait_s: float = 0.0
+    ) -> dict:
+        """Admission RPC: check this rank can enforce `spec` and compile it in the background.
+
+        Answers {"status": "ready" | "pending" | "error", "message", "rank"} without waiting for
+        a compile (wait_s=0 from the API): the engine loop is never held by compilation.
+        """
+        from atom import envs
+
+        def answer(status: str, message: str = "") -> dict:
+            return {"status": status, "message": message, "rank": self.rank}
+
+        if envs.enable_relaxed_mtp():
+            return answer("error", "structured output is disabled with relaxed MTP")
+        if not isinstance(getattr(self.model, "lm_head", None), ParallelLMHead):
+            return answer("error", "the target LM head is not a ParallelLMHead")
+        if self._so_init_error is not None:
+            return answer("error", self._so_init_error)
+        if self._so_manager is None:
+            if self._so_init is None:
+                self._so_init = threading.Thread(
+                    target=self._init_structured_output, name="atom-grammar-init", daemon=True
+                )
+                self._so_init.start()
+            return answer("pending")
+        result = self._so_manager.admit(spec, api_fingerprint, vocab_size, wait_s)
+        return answer(result.status, result.message)
+
+    def _init_structured_output(self) -> None:
+        """Background: this rank's tokenizer and grammar tokenizer (seconds for a big vocab)."""
+        try:
+            from atom.model_engine.llm_engine import _eos_ids, load_tokenizer
+            from atom.structured_output.manager import StructuredOutputManager
+
+            tokenizer = load_tokenizer(self.config.tokenizer or self.model_path)
+            head = self.model.lm_head.org_vocab_size
+            self._so_manager = StructuredOutputManager(
+                tokenizer,
+                vocab_size=head,
+                lm_head_size=head,
+                stop_token_ids=_eos_ids(self.hf_config, tokenizer),
+            )
+        except Exception as e:  # noqa: BLE001 - every later admission reports it
+            logger.exception("structured output initialization failed")
+            self._so_init_error = f"structured output initialization failed: {e}"
+
+    def _grammar_sync(self, updates: list[GrammarUpdate]) -> None:
+        """Bind new requests (lazily, on first sight) and commit acknowledged tokens."""
+        mgr = self._so_manager
+        for u in updates:
+            rid = u.request_id
+            if u.spec is not None:
+                self._bind(rid, u.spec)
+            if u.new_token_ids and mgr is not None and mgr.state(rid) is not None:
+                mgr.commit(rid, u.new_token_ids)  # a rejection marks only this request
+
+    def _bind(self, request_id: str, spec: Any) -> None:
+        mgr = self._so_manager
+        if mgr is None:
+            self._so_failed[request_id] = "structured output: not initialized on this rank"
             return
-        raise NotImplementedError("structured-output masking is not wired into this runner yet")
+        try:
+            try:
+                mgr.bind(request_id, spec.key, spec.end_marker)
+            except LookupError:
+                # Evicted from the compile cache since admission (many distinct schemas in
+                # flight): recompile now; rare, and bounded by one compile.
+                result = mgr.admit(spec, mgr.fingerprint, mgr.vocab_size, wait_s=120.0)
+                if result.status != "ready":
+                    raise ValueError(result.message or "grammar compilation failed") from None
+                mgr.bind(request_id, spec.key, spec.end_marker)
+        except ValueError as e:
+            self._so_failed[request_id] = f"structured output: {e}"
+
+    def structured_output_release(self, request_ids: list[str]) -> None:
+        """Drop these requests' grammar state; idempotent (every terminal path may call it)."""
+        for rid in request_ids:
+            self._so_failed.pop(rid, None)
+            if self._so_manager is not None:
+                self._so_manager.release(rid)
+
+    def structured_output_stats(self) -> dict:
+        mgr = self._so_manager
+        if mgr is None:
+            return {"live_grammar_states": len(self._so_failed), "cached_grammars": 0}
+        return {
+            "live_grammar_states": mgr.num_live_states + len(self._so_failed),
+            "cached_grammars": mgr.num_cached_grammars,
+        }
+
+    def shutdown(self) -> None:
+        if self._so_manager is not None:
+            self._so_manager.shutdown()
 
     def _prepare_inputs(self, batch: ScheduledBatch):
         bs = self.block_size

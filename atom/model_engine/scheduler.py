@@ -10,10 +10,22 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from atom.config import EngineConfig
 from atom.model_engine.block_manager import BlockManager
 from atom.model_engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class GrammarUpdate:
+    """Structured output, scheduler -> runner: the spec on a request's first schedule (None
+    afterwards) and the output tokens accepted since the previous update (committed by the
+    runner before it masks this step's logits)."""
+
+    request_id: str
+    spec: Any
+    new_token_ids: list[int]
 
 
 @dataclass
@@ -23,6 +35,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # runner may drop their state
+    grammar_updates: list[GrammarUpdate] = field(default_factory=list)  # constrained only
 
     def samples(self, i: int) -> bool:
         """Does row i reach the end of its sequence (so a token is sampled)?"""
@@ -94,7 +107,21 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+        for seq in batch.seqs:
+            if seq.params.structured_output is not None:
+                self._grammar_update(batch, seq)
         return batch
+
+    @staticmethod
+    def _grammar_update(batch: ScheduledBatch, seq: Sequence) -> None:
+        """Send the spec once, then only the output tokens accepted since the last update."""
+        spec = None if seq.grammar_spec_sent else seq.params.structured_output
+        new = seq.token_ids[seq.num_prompt_tokens + seq.num_grammar_acked :]
+        if spec is None and not new:
+            return
+        seq.grammar_spec_sent = True
+        seq.num_grammar_acked += len(new)
+        batch.grammar_updates.append(GrammarUpdate(seq.request_id, spec, new))
 
     def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
         """Advance computed counts; append sampled tokens. Returns sequences that got a token."""

@@ -31,6 +31,11 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
         self.block_hashes: list[int] = []
+        # Structured output: whether the runner got this request's spec, and how many output
+        # tokens it has been sent to commit (kept across preemption: recomputed tokens are not
+        # re-sent, so the runner never re-commits them).
+        self.grammar_spec_sent = False
+        self.num_grammar_acked = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
 

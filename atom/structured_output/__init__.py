@@ -4,7 +4,8 @@ Importing this package is free: every name below is resolved on first use (PEP 5
 requests never load llguidance, RE2, Triton or allocate mask buffers.
 
 API preflight: ``parse_chat_response_format``, ``parse_responses_text_format``,
-``prepare_schema``, ``SchemaError``, ``validate_answer``, ``tokenizer_fingerprint``.
+``check_request_features``, ``api_fingerprint``, ``admit_on_workers`` (the admission RPC),
+``StructuredOutputSpec`` (what a request carries), ``validate_answer``.
 Model runner: ``StructuredOutputManager`` (admission, bind, fill_masks, commit, release),
 ``MaskBuffers`` and ``TokenSnapshot``.
 """
@@ -21,6 +22,12 @@ _LAZY = {
     "AnswerValidationError": "validation",
     "FormatError": "validation",
     "OutputConstraint": "validation",
+    "AdmissionError": "validation",
+    "StructuredOutputSpec": "validation",
+    "UnsupportedWithConstraint": "validation",
+    "admit_on_workers": "validation",
+    "api_fingerprint": "validation",
+    "check_request_features": "validation",
     "parse_chat_response_format": "validation",
     "parse_responses_text_format": "validation",
     "validate_answer": "validation",
@@ -34,6 +41,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "AdmissionError",
     "AdmissionResult",
     "AnswerValidationError",
     "FormatError",
@@ -44,7 +52,12 @@ __all__ = [
     "PreparedSchema",
     "SchemaError",
     "StructuredOutputManager",
+    "StructuredOutputSpec",
     "TokenSnapshot",
+    "UnsupportedWithConstraint",
+    "admit_on_workers",
+    "api_fingerprint",
+    "check_request_features",
     "parse_chat_response_format",
     "parse_responses_text_format",
     "prepare_schema",
@@ -62,9 +75,15 @@ if TYPE_CHECKING:
     from atom.structured_output.schema import PreparedSchema, SchemaError, prepare_schema
     from atom.structured_output.utils import MaskBuffers, TokenSnapshot
     from atom.structured_output.validation import (
+        AdmissionError,
         AnswerValidationError,
         FormatError,
         OutputConstraint,
+        StructuredOutputSpec,
+        UnsupportedWithConstraint,
+        admit_on_workers,
+        api_fingerprint,
+        check_request_features,
         parse_chat_response_format,
         parse_responses_text_format,
         validate_answer,

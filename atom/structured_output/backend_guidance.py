@@ -120,22 +120,105 @@ class _VisibleAddedTokens:
         return tuple(self._raw.tokenize_bytes(text))
 
 
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte-level BPE alphabet: the vocabulary character that spells each byte."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = (b for b in range(256) if b not in printable)
+    chars = {b: chr(b) for b in printable}
+    chars.update({b: chr(0x100 + n) for n, b in enumerate(extra)})
+    return chars
+
+
+def _is_byte_level(spec: dict) -> bool:
+    def has(node: Any) -> bool:
+        if not isinstance(node, dict):
+            return False
+        members = node.get("pretokenizers") or node.get("decoders") or []
+        return node.get("type") == "ByteLevel" or any(has(m) for m in members)
+
+    model = spec.get("model", {})
+    return (
+        model.get("type") == "BPE"
+        and not model.get("byte_fallback")
+        and has(spec.get("decoder"))
+        and has(spec.get("pre_tokenizer"))
+    )
+
+
+def _native_ll_tokenizer(
+    hf_tokenizer: Any, size: int, stop_ids: list[int], special: set[int]
+) -> LLTokenizer | None:
+    """llguidance's own Rust tokenizer over a rewritten tokenizer JSON, or None if unsuitable.
+
+    llguidance makes every entry of ``added_tokens`` special. Rewritten: each added token also
+    becomes an ordinary vocabulary entry at its own id (so the Rust side keeps model ids), and
+    only ``special=True`` ones stay in ``added_tokens``: ``<think>`` is then plain visible bytes,
+    spelled in the byte-level alphabet. No Python callback runs while masking.
+    """
+    import copy
+    import json
+
+    import llguidance
+
+    backend = copy.copy(getattr(hf_tokenizer, "backend_tokenizer", None))
+    if backend is None:
+        return None
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    if not _is_byte_level(spec):
+        return None
+    alphabet = _byte_level_alphabet()
+    vocab = spec["model"]["vocab"]
+    kept, visible = [], {}
+    for added in spec.get("added_tokens", []):
+        idx, text = added["id"], added["content"]
+        if added["id"] in special:
+            kept.append(added)
+        else:
+            visible[idx] = text.encode()
+            text = "".join(alphabet[b] for b in visible[idx])
+        if vocab.get(text, idx) != idx:
+            return None
+        vocab[text] = idx
+    if sorted(vocab.values()) != list(range(len(vocab))):
+        return None
+    spec["added_tokens"] = kept
+    tok = llguidance.LLTokenizer(json.dumps(spec), n_vocab=size, eos_token=stop_ids)
+    # The rewrite must give model ids, visible non-special added tokens and the HF specials.
+    for idx, data in visible.items():
+        if tok.decode_bytes([idx]) != data or tok.is_special_token(idx):
+            return None
+    if any(not tok.is_special_token(idx) for idx in special) or tok.vocab_size != size:
+        return None
+    return tok
+
+
 def build_ll_tokenizer(
     hf_tokenizer: Any, vocab_size: int | None = None, stop_token_ids: Sequence[int] | None = None
 ) -> LLTokenizer:
     """The grammar tokenizer: model token ids, EOS, visible non-special added tokens.
 
-    Token bytes come from llguidance's own reading of the HF tokenizer (byte-level, byte
-    fallback, metaspace...); only the special classification is redone. The vocabulary is
-    padded with empty tokens up to ``vocab_size`` (the LM head), which llguidance never allows.
+    Byte-level BPE tokenizers (DeepSeek's) get llguidance's own Rust tokenizer over a
+    rewritten tokenizer JSON (no Python callback while masking). Others: token bytes from
+    llguidance's own reading of the HF tokenizer with only the special classification redone,
+    and forced strings tokenized through a cached callback. The vocabulary is padded with empty
+    tokens up to ``vocab_size`` (the LM head), which llguidance never allows.
     Expensive (seconds for a 129k vocabulary): build once per worker.
     """
     import llguidance.hf
 
     stop_ids = _stop_ids(hf_tokenizer, stop_token_ids)
+    n = len(hf_tokenizer)
+    size = n if vocab_size is None else vocab_size
+    if size < n:
+        raise ValueError(f"the tokenizer has {n} ids but the LM head only {size}")
+    special = (_special_ids(hf_tokenizer) | set(stop_ids)) - {None}
+    native = _native_ll_tokenizer(hf_tokenizer, size, stop_ids, special)
+    if native is not None:
+        return native
     raw = llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=stop_ids)
     n = raw.vocab_size
-    size = n if vocab_size is None else vocab_size
     if size < n:
         raise ValueError(f"the tokenizer has {n} ids but the LM head only {size}")
     tokens = [raw.decode_bytes([i]) for i in range(n)] + [b""] * (size - n)

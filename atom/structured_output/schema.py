@@ -10,8 +10,8 @@ the formats llguidance enforces, properties, patternProperties, additionalProper
 prefixItems, items, allOf/anyOf/oneOf, local $ref (as ``$defs`` entries, recursion kept).
 Lowered: ``not`` (exact complements of types, bounds, counts, required/properties, prefixItems,
 literals incl. strings, arrays and objects; otherwise a finite enumeration of the siblings),
-``if``/``then``/``else`` (complemented guard, else finite enumeration), ``oneOf`` (A and
-not-B when complements exist), dependentRequired/dependentSchemas, uniqueItems (finite item
+``if``/``then``/``else`` (complemented guard, else finite enumeration), ``oneOf`` (anyOf when
+the branches are provably disjoint, else A and not-B when complements exist), dependentRequired/dependentSchemas, uniqueItems (finite item
 domains), contains/minContains/maxContains (bounded arrays), propertyNames (closed, finite,
 one pattern or length bounds), unevaluated* (without in-place applicators).
 Stripped: annotations and keywords unknown to 2020-12. Rejected: anything else that
@@ -788,7 +788,7 @@ class _Lowerer:
         if "if" in node:
             extra.append(self._conditional(node, pointer, resolver, out, extra))
         result = _merge(out, extra) if extra else out
-        if isinstance(result, dict) and _inexact_interval(result):
+        if isinstance(result, dict) and _inexact_interval(result, self.defs):
             raise SchemaError("numeric bounds the grammar compiler cannot enforce exactly", pointer)
         return result
 
@@ -831,8 +831,16 @@ class _Lowerer:
         return _any_of([_all_of([guard, then]), _all_of([negated, other])])
 
     def _one_of(self, out: dict, pointer: str) -> None:
-        """Exactly one branch: A and not-the-others, when every branch has a complement."""
+        """Exactly one branch: anyOf when the branches are pairwise disjoint, else A and
+        not-the-others when every branch has a complement."""
         options = out["oneOf"]
+        if all(self._disjoint(a, b, pointer) for a, b in itertools.combinations(options, 2)):
+            del out["oneOf"]
+            if "anyOf" in out:
+                out.setdefault("allOf", []).append({"anyOf": options})
+            else:
+                out["anyOf"] = options
+            return
         try:
             negs = [self.negate(o, pointer) for o in options]
         except BudgetError:
@@ -845,6 +853,64 @@ class _Lowerer:
         ]
         del out["oneOf"]
         out.setdefault("allOf", []).append(_any_of(branches))
+
+    def _type_set(self, schema: dict | bool, pointer: str) -> set[str] | None:
+        """The JSON types a lowered schema can admit (``integer`` counted as ``number``), or
+        None when unknown."""
+        schema = self.deref(schema, pointer)
+        if isinstance(schema, bool):
+            return None if schema else set()
+        if "type" in schema:
+            found = {"number" if t == "integer" else t for t in _types(schema["type"])}
+        elif "const" in schema:
+            found = {_json_type(schema["const"])}
+        elif "enum" in schema:
+            found = {_json_type(v) for v in schema["enum"]}
+        else:
+            found = None
+        for member in schema.get("allOf", []):
+            inner = self._type_set(member, pointer)
+            if inner is not None:
+                found = inner if found is None else found & inner
+        branches = schema.get("anyOf") or schema.get("oneOf")
+        if branches:
+            union = [self._type_set(b, pointer) for b in branches]
+            if all(u is not None for u in union):
+                merged = set().union(*union)
+                found = merged if found is None else found & merged
+        return found
+
+    def _disjoint(self, a: dict | bool, b: dict | bool, pointer: str) -> bool:
+        """Provably no instance satisfies both lowered schemas (False: unknown)."""
+        try:
+            a, b = self.deref(a, pointer), self.deref(b, pointer)
+        except _Unsupported:
+            return False
+        if a is False or b is False:
+            return True
+        if a is True or b is True:
+            return False
+        ta, tb = self._type_set(a, pointer), self._type_set(b, pointer)
+        if ta is not None and tb is not None and not ta & tb:
+            return True
+        if ta is not None and tb is not None and ta | tb == {"object"}:
+            # a discriminator: a property both require, with disjoint values
+            props_a, props_b = a.get("properties", {}), b.get("properties", {})
+            for name in set(a.get("required", [])) & set(b.get("required", [])):
+                if name in props_a and name in props_b:
+                    if self._disjoint(props_a[name], props_b[name], pointer):
+                        return True
+        for one, other in ((a, b), (b, a)):
+            try:
+                domain = self.finite(one, pointer)
+            except _Unsupported:
+                continue
+            if domain is not None:
+                try:
+                    return not any(self.valid(other, v, pointer) for v in domain)
+                except _Unsupported:
+                    return False
+        return False
 
     def _dependent(self, node: dict, pointer: str, resolver: Any, extra: list) -> None:
         for name, deps in node.get("dependentRequired", {}).items():
@@ -1063,27 +1129,36 @@ def _names_regex(names: object) -> str | None:
     return None
 
 
-def _numeric_keywords(node: dict) -> Iterator[tuple[str, Any]]:
+def _numeric_keywords(node: dict, defs: dict | None = None) -> Iterator[tuple[str, Any]]:
     """Numeric bounds llguidance may merge into one range: the node's and those of its
-    allOf/anyOf/oneOf members (intersections distribute over alternatives)."""
-    stack = [node]
+    allOf/anyOf/oneOf members and local ``$ref`` targets (intersections distribute over
+    alternatives; a reference is an in-place intersection)."""
+    defs = defs or {}
+    stack, seen = [node], {id(node)}
     while stack:
         item = stack.pop()
         for key in _NUMBERS:
             if key in item:
                 yield key, item[key]
-        for key in ("allOf", "anyOf", "oneOf"):
-            stack.extend(m for m in item.get(key, []) if isinstance(m, dict))
+        members = [m for key in ("allOf", "anyOf", "oneOf") for m in item.get(key, [])]
+        ref = item.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            members.append(defs.get(ref[len("#/$defs/") :]))
+        for member in members:
+            if isinstance(member, dict) and id(member) not in seen:
+                seen.add(id(member))
+                stack.append(member)
 
 
-def _inexact_interval(node: dict) -> bool:
+def _inexact_interval(node: dict, defs: dict | None = None) -> bool:
     """llguidance 1.9.1 also accepts the integer m in (m, u) when m >= 0 and u < m + 1 (and
-    the mirror for (l, m) with m <= 0), e.g. 2 for exclusiveMinimum 2, maximum 2.5.
-    Conservative: any such pair of bounds in the same conjunctive scope is refused."""
+    the mirror for (l, m) with m <= 0), e.g. 2 for exclusiveMinimum 2, maximum 2.5, also when
+    one bound sits behind a ``$ref``. Conservative: any such pair of bounds in the same
+    conjunctive scope (members and reference targets included) is refused."""
     if "type" in node and _types(node["type"]) == ["integer"]:
         return False
     lows, highs, open_lows, open_highs = [], [], [], []
-    for key, value in _numeric_keywords(node):
+    for key, value in _numeric_keywords(node, defs):
         if key in ("minimum", "exclusiveMinimum"):
             lows.append(value)
             if key == "exclusiveMinimum" and _is_int(value) and value >= 0:

@@ -11,7 +11,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from atom.structured_output.schema import (
@@ -172,3 +172,148 @@ def validate_answer(constraint: OutputConstraint, text: str) -> None:
         raise AnswerValidationError(
             f"the answer does not match the schema at {where}: {error.message}"
         )
+
+
+# ---- request spec and admission-time worker RPC --------------------------------------------
+
+ADMISSION_TIMEOUT_S = 120.0
+_POLL_FIRST_S, _POLL_MAX_S = 0.002, 0.05
+
+
+class UnsupportedWithConstraint(FormatError):
+    """A request feature that cannot be combined with an output constraint (a 4xx)."""
+
+    code = "structured_output_unsupported"
+
+
+class AdmissionError(ValueError):
+    """A worker rank refused the constraint (fingerprint, vocabulary, LM head, compilation)."""
+
+
+@dataclass
+class StructuredOutputSpec:
+    """What a constrained request carries in ``SamplingParams.structured_output``.
+
+    Workers need only ``key`` (the compile-cache key), ``lowered`` (what they compile) and
+    ``end_marker`` (the reasoning end-marker bytes when generation starts inside reasoning,
+    else None). ``constraint`` stays with the API for final validation and is not pickled
+    when the spec travels to worker processes.
+    """
+
+    key: str
+    lowered: dict
+    end_marker: bytes | None = None
+    constraint: OutputConstraint | None = field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "constraint": None}
+
+    @classmethod
+    def of(cls, constraint: OutputConstraint, end_marker: bytes | None) -> StructuredOutputSpec:
+        prepared = constraint.prepared
+        return cls(prepared.key, prepared.lowered, end_marker, constraint)
+
+
+_fingerprints: dict[tuple[int, tuple[int, ...], int], tuple[Any, str]] = {}
+_fingerprints_lock = threading.Lock()
+
+
+def api_fingerprint(tokenizer: Any, stop_token_ids: list[int], vocab_size: int) -> str:
+    """The API side of the tokenizer check, computed once per tokenizer (it hashes the vocab)."""
+    from atom.structured_output.backend_guidance import tokenizer_fingerprint
+
+    key = (id(tokenizer), tuple(sorted(stop_token_ids)), vocab_size)
+    with _fingerprints_lock:
+        hit = _fingerprints.get(key)
+    if hit is not None and hit[0] is tokenizer:  # the entry keeps its tokenizer alive
+        return hit[1]
+    fingerprint = tokenizer_fingerprint(tokenizer, stop_token_ids, vocab_size)
+    with _fingerprints_lock:
+        _fingerprints[key] = (tokenizer, fingerprint)
+    return fingerprint
+
+
+def check_request_features(
+    *,
+    stop: list[str],
+    stop_param: str,
+    stop_token_ids: list[int],
+    ignore_eos: bool,
+    multimodal_param: str | None,
+    tools: list | None,
+    logprobs: bool,
+    speculative: bool,
+    param: str,
+) -> None:
+    """Features that cannot be combined with an output constraint (raises, naming the field)."""
+    from atom import envs
+
+    if envs.enable_relaxed_mtp():
+        raise UnsupportedWithConstraint(
+            "constrained output is refused while ATOM_ENABLE_RELAXED_MTP=1 (relaxed speculative "
+            "acceptance could accept a token the grammar forbids)",
+            param,
+        )
+    if stop:
+        raise UnsupportedWithConstraint(
+            "custom stop strings cannot be combined with a constrained output format", stop_param
+        )
+    if stop_token_ids:
+        raise UnsupportedWithConstraint(
+            "custom stop token ids cannot be combined with a constrained output format",
+            "stop_token_ids",
+        )
+    if ignore_eos:
+        raise UnsupportedWithConstraint(
+            "ignore_eos cannot be combined with a constrained output format", "ignore_eos"
+        )
+    if multimodal_param is not None:
+        raise UnsupportedWithConstraint(
+            "multimodal input cannot be combined with a constrained output format",
+            multimodal_param,
+        )
+    if tools:
+        raise UnsupportedWithConstraint(
+            "tools cannot be combined with a constrained output format on this deployment "
+            "(its tool parser has no constrained envelope)",
+            "tools",
+        )
+    if logprobs and speculative:
+        raise UnsupportedWithConstraint(
+            "logprobs with speculative decoding cannot be combined with a constrained output "
+            "format yet",
+            "logprobs",
+        )
+
+
+async def admit_on_workers(
+    rpc: Any,
+    spec: StructuredOutputSpec,
+    fingerprint: str,
+    vocab_size: int,
+    *,
+    timeout_s: float = ADMISSION_TIMEOUT_S,
+) -> None:
+    """Admission on every rank through ``await rpc(method, *args) -> list[dict]``.
+
+    Each rank checks the fingerprint and vocabulary against its LM head and compiles the
+    grammar in its background executor; a cold compile answers ``pending`` and is polled with
+    short ``asyncio.sleep``s (the event loop never blocks, the engine loop never waits for a
+    compile). Any rank error raises ``AdmissionError``.
+    """
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    delay = _POLL_FIRST_S
+    while True:
+        results = await rpc("structured_output_admit", spec, fingerprint, vocab_size)
+        for r in results:
+            if r["status"] == "error":
+                raise AdmissionError(f"rank {r.get('rank', '?')}: {r['message']}")
+        if results and all(r["status"] == "ready" for r in results):
+            return
+        if time.monotonic() > deadline:
+            raise AdmissionError(f"grammar compilation did not finish within {timeout_s:.0f} s")
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, _POLL_MAX_S)

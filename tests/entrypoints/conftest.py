@@ -8,12 +8,46 @@ engine under that path prefix, so one server covers several adapters.
 
 from __future__ import annotations
 
+import shutil
 import socket
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
+
+# A SmolLM2 chat template that opens `<think>` when the encoder is asked for thinking (as
+# DeepSeek templates do); `thinking_model_dir` serves it.
+TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if thinking is defined and thinking %}{{ '<think>\\n' }}"
+    "{% if reasoning_effort is defined and reasoning_effort == 'low' %}{{ 'Briefly.\\n' }}"
+    "{% elif reasoning_effort is defined and reasoning_effort == 'max' %}"
+    "{{ 'Very very very carefully, checking every step twice.\\n' }}"
+    "{% elif reasoning_effort is defined %}{{ 'Carefully, step by step.\\n' }}{% endif %}"
+    "{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def thinking_model_dir(smollm2_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("smollm2-thinking")
+    for f in smollm2_dir.iterdir():
+        if f.name == "chat_template.jinja":
+            continue
+        if f.suffix == ".safetensors":
+            (folder / f.name).symlink_to(f)
+        else:
+            shutil.copy(f, folder / f.name)
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    return folder
+
 
 DEFAULT_ENGINE_KW = {"max_model_len": 512, "kv_cache_bytes": 64 << 20, "max_num_seqs": 8}
 

@@ -142,15 +142,10 @@ def test_chat_bad_requests_use_the_openai_error_body(client, model_id):
         ({"n": 2}, "n"),
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"temperature": -1}, "temperature"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
         (
-            {
-                "response_format": {
-                    "type": "json_schema",
-                    "json_schema": {"name": "a", "schema": {}},
-                }
-            },
-            "response_format",
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format.json_schema.name",
         ),
     ):
         with pytest.raises(openai.BadRequestError) as e:
@@ -266,9 +261,7 @@ def test_responses_bad_requests(client, model_id):
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="nope", input="hi")
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(
-            model=model_id, input="hi", text={"format": {"type": "json_object"}}
-        )
+        client.responses.create(model=model_id, input="hi", text={"format": {"type": "xml"}})
     assert _error(e.value)["param"] == "text.format"
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=model_id, input=[{"type": "bogus_item"}])

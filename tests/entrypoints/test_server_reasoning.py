@@ -6,8 +6,6 @@ blocks on the three endpoints, streaming and not."""
 
 from __future__ import annotations
 
-import shutil
-
 import anthropic
 import openai
 import pytest
@@ -17,36 +15,6 @@ pytestmark = pytest.mark.slow
 MODEL_FIXTURE = "thinking_model_dir"
 MOUNTS = {"/v41": "deepseek-v4.1"}
 PROMPT = [{"role": "user", "content": "What is 2+2?"}]
-
-TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-    "Face<|im_end|>\\n' }}{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-    "{% if thinking is defined and thinking %}{{ '<think>\\n' }}"
-    "{% if reasoning_effort is defined and reasoning_effort == 'low' %}{{ 'Briefly.\\n' }}"
-    "{% elif reasoning_effort is defined and reasoning_effort == 'max' %}"
-    "{{ 'Very very very carefully, checking every step twice.\\n' }}"
-    "{% elif reasoning_effort is defined %}{{ 'Carefully, step by step.\\n' }}{% endif %}"
-    "{% endif %}{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def thinking_model_dir(smollm2_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("smollm2-thinking")
-    for f in smollm2_dir.iterdir():
-        if f.name == "chat_template.jinja":
-            continue
-        if f.suffix == ".safetensors":
-            (folder / f.name).symlink_to(f)
-        else:
-            shutil.copy(f, folder / f.name)
-    (folder / "chat_template.jinja").write_text(TEMPLATE)
-    return folder
 
 
 @pytest.fixture(scope="module")

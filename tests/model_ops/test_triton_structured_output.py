@@ -71,7 +71,7 @@ CHECK = textwrap.dedent(
                 want = logits.clone()
                 idx = None if rows is None else torch.tensor(rows, dtype=torch.int32)
                 ref(want, mask, idx)
-                configs = [None, (8, 1, 2), (32, 4, 4)] if vocab == 4099 else [None]
+                configs = [None, (8, 1, 2), (32, 4, 4), (4, 3, 1), (16, 3, 2, 1)] if vocab == 4099 else [None]
                 for config in configs:
                     got = logits.to(device)
                     kernel(got, mask.to(device), None if idx is None else idx.to(device),
@@ -94,7 +94,7 @@ def test_kernel_matches_reference_interpreted() -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "cases 72" in result.stdout
+    assert "cases 90" in result.stdout
 
 
 @pytest.mark.gpu

@@ -115,3 +115,28 @@ def test_fingerprint(hf) -> None:
 def test_lm_head_smaller_than_tokenizer_is_refused(hf) -> None:
     with pytest.raises(ValueError, match="LM head"):
         GuidanceBackend(hf, 1000)
+
+
+def test_native_tokenizer_matches_the_callback_tokenizer(hf, backend, monkeypatch) -> None:
+    """DeepSeek's byte-level BPE gets llguidance's own Rust tokenizer (no Python callback while
+    masking); it agrees with the callback-based build on every token and on masks."""
+    from atom.structured_output import backend_guidance as bg
+
+    special = bg._special_ids(hf) | {EOS}
+    assert bg._native_ll_tokenizer(hf, HEAD, [EOS], special) is not None
+    native = backend.ll_tokenizer
+    monkeypatch.setattr(bg, "_native_ll_tokenizer", lambda *args: None)
+    fallback = bg.build_ll_tokenizer(hf, HEAD, [EOS])
+    for i in range(HEAD):
+        data = fallback.decode_bytes([i])
+        if data and not data.startswith(b"<["):  # empty tokens (padding, byte 0xFF): never allowed
+            assert native.decode_bytes([i]) == data, i
+            assert native.is_special_token(i) == fallback.is_special_token(i), i
+    grammar = backend.grammar(SCHEMA)
+    matchers = [llguidance.LLMatcher(t, grammar, log_level=0) for t in (native, fallback)]
+    rows = torch.zeros(2, num_mask_words(HEAD), dtype=torch.int32)
+    for token in [*hf.encode('{"a":"x<think>y"}', add_special_tokens=False), EOS]:
+        for row, matcher in enumerate(matchers):
+            fill_bitmask_row(matcher, rows, row)
+        assert torch.equal(rows[0], rows[1])
+        assert all(m.consume_token(token) for m in matchers)

@@ -318,6 +318,20 @@ def test_numeric_interval_llguidance_gets_wrong_is_rejected(tokenizer) -> None:
     assert_exact({"type": "integer", "exclusiveMinimum": 2, "maximum": 3.5}, [2, 3], tokenizer)
 
 
+def test_numeric_interval_guard_follows_references(tokenizer) -> None:
+    """llguidance merges bounds through $ref too: without the guard, 2 would be accepted."""
+    defs = {"$defs": {"low": {"maximum": 2.5}, "wrapped": {"allOf": [{"maximum": 2.5}]}}}
+    rejects({"$ref": "#/$defs/low", "exclusiveMinimum": 2, **defs}, "", "numeric bounds")
+    rejects({"allOf": [{"exclusiveMinimum": 2}, {"$ref": "#/$defs/low"}], **defs}, "")
+    nested = {"properties": {"x": {"$ref": "#/$defs/wrapped", "exclusiveMinimum": 2}}, **defs}
+    rejects(nested, "/properties/x", "numeric bounds")
+    assert_exact(
+        {"$ref": "#/$defs/up", "exclusiveMinimum": 2, "$defs": {"up": {"maximum": 3.5}}},
+        [2, 2.5, 3, 3.5, 4],
+        tokenizer,
+    )
+
+
 def test_all_of_and_multiple_of_compiled(tokenizer) -> None:
     schema = {"allOf": [{"type": "integer", "multipleOf": 3}, {"minimum": 0, "maximum": 10}]}
     assert_exact(schema, [0, 3, 4, 9, 12, -3], tokenizer)
@@ -332,6 +346,30 @@ def test_dependent_required_and_schemas(tokenizer) -> None:
 def test_one_of_lowered_when_complementable(tokenizer) -> None:
     schema = {"oneOf": [{"minimum": 2}, {"maximum": 5}]}
     assert_exact(schema, [1, 2, 5, 6, "x"], tokenizer)
+
+
+def test_one_of_with_disjoint_branches_is_any_of(tokenizer) -> None:
+    """Provably disjoint branches (types, finite domains, a required discriminator) make oneOf
+    an anyOf of the input branches: exact, nothing generated, no complements needed."""
+    finite = {"oneOf": [{"oneOf": [{"enum": ["a", "b"]}, {"enum": ["c"]}]}, {"enum": ["d"]}]}
+    assert prepare_schema(finite).lowered == {
+        "anyOf": [{"anyOf": [{"enum": ["a", "b"]}, {"enum": ["c"]}]}, {"enum": ["d"]}]
+    }
+    assert_exact(finite, ["a", "c", "d", "e", 1], tokenizer)
+    tagged = {
+        "oneOf": [
+            {"type": "object", "required": ["k", "v"], "properties": {"k": {"const": "x"}}},
+            {"type": "object", "required": ["k"], "properties": {"k": {"const": "y"}}},
+        ]
+    }
+    assert "anyOf" in prepare_schema(tagged).lowered
+    assert_exact(tagged, [{"k": "x", "v": 1}, {"k": "x"}, {"k": "y"}, {"k": "z"}, 3], tokenizer)
+    by_type = {"oneOf": [{"type": "string", "pattern": "^a"}, {"type": "integer"}]}
+    assert_exact(by_type, ["ab", "b", 3, 2.5, None], tokenizer)
+    # Not disjoint: a non-object satisfies both (required applies to objects only).
+    untyped = {"oneOf": [{"required": ["k"]}, {"required": ["j"]}]}
+    assert "anyOf" not in prepare_schema(untyped).lowered
+    assert_exact(untyped, [{"k": 1}, {"j": 1}, {"k": 1, "j": 2}, {}, 5], tokenizer)
 
 
 def test_unique_items_finite_domains(tokenizer) -> None:

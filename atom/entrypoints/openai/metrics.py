@@ -39,8 +39,36 @@ class _EngineCollector(Collector):
                 yield GaugeMetricFamily(name, doc, value=float(value))
 
 
+class _StructuredOutputCollector(Collector):
+    """Structured-output gauges over every rank, read at scrape time (0 when never used); the
+    scrape reads worker counters directly and imports nothing of `atom.structured_output`."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]]):
+        self._stats = stats
+
+    def collect(self):
+        try:
+            s = self._stats()
+        except Exception:
+            return
+        yield GaugeMetricFamily(
+            "atom_structured_output_live_grammar_states",
+            "Per-request grammar states held by workers (bound, not yet released)",
+            value=float(s.get("live_grammar_states", 0)),
+        )
+        yield GaugeMetricFamily(
+            "atom_structured_output_cached_grammars",
+            "Compiled grammars in the workers' bounded caches",
+            value=float(s.get("cached_grammars", 0)),
+        )
+
+
 class ApiMetrics:
-    def __init__(self, engine_stats: Callable[[], Any] | None = None):
+    def __init__(
+        self,
+        engine_stats: Callable[[], Any] | None = None,
+        structured_output_stats: Callable[[], dict[str, int]] | None = None,
+    ):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -73,6 +101,8 @@ class ApiMetrics:
         )
         if engine_stats is not None:
             r.register(_EngineCollector(engine_stats))
+        if structured_output_stats is not None:
+            r.register(_StructuredOutputCollector(structured_output_stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,8 +20,10 @@ from atom.entrypoints.openai.protocol import (
 from atom.entrypoints.openai.serving_engine import (
     RenderedPrompt,
     ServingContext,
+    generation_error,
     random_id,
     run_until_disconnect,
+    structured_output_error,
     structured_output_final_check,
     structured_output_preflight,
 )
@@ -202,7 +204,7 @@ class ServingChat:
         self, request_id, req, rendered, params, final, logprobs, top
     ) -> dict[str, Any]:
         if final.finish_reason == "error":
-            raise APIError(final.error or "generation failed", status=500, code="generation_error")
+            raise generation_error(final.error)
         parser = self.s.reasoning_parser(rendered)
         reasoning, text = "", final.text
         if parser is not None:
@@ -211,7 +213,7 @@ class ServingChat:
             reasoning, text = parser.reasoning, parser.text
         invalid = structured_output_final_check(params, text, final.finish_reason)
         if invalid is not None:
-            raise APIError(invalid, status=500, code="structured_output_error")
+            raise structured_output_error(invalid)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if parser is not None and (reasoning or rendered.in_reasoning):
             message["reasoning_content"] = reasoning
@@ -302,24 +304,14 @@ class ServingChat:
             yield DONE
             return
         if final is None or final.finish_reason == "error":
-            msg = (final.error if final is not None else None) or "generation failed"
-            yield data_event(
-                {
-                    "error": {
-                        "message": msg,
-                        "type": "server_error",
-                        "param": None,
-                        "code": "generation_error",
-                    }
-                }
-            )
+            err = generation_error(final.error if final is not None else None)
+            yield data_event(err.openai_body())
             yield DONE
             return
         answer = parser.text if parser is not None else final.text
         invalid = structured_output_final_check(params, answer, final.finish_reason)
         if invalid is not None:
-            err = APIError(invalid, status=500, code="structured_output_error")
-            yield data_event(err.openai_body())
+            yield data_event(structured_output_error(invalid).openai_body())
             yield DONE
             return
         extra = {"stop_reason": final.stop_reason} if isinstance(final.stop_reason, str) else {}

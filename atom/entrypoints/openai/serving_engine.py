@@ -76,14 +76,10 @@ async def structured_output_preflight(
 
     Called by every endpoint after the prompt is rendered and tokenized and the output cap is
     resolved (so the context budget is already validated), before the request is enqueued.
-    `fmt` is Chat `response_format`, Responses `text.format` or Messages `output_config.format`;
-    `param` names that field in errors; `request` is the parsed protocol request (stop strings,
-    tools, tool_choice, ignore_eos...); `rendered` carries the prompt text/ids and whether
-    generation starts inside reasoning; `serving.dialect` is the reasoning dialect (`.framed`)
-    and `serving.engine.engine.collective_rpc` reaches every rank for admission.
-
-    Until `atom.structured_output` is wired here, JSON formats are refused with a 400, never
-    silently ignored.
+    Order: format parsing (400 naming the field, JSON pointer in the message), features that
+    cannot be combined with a constraint (4xx naming the field), the deployment's reasoning
+    dialect, then the admission RPC to every rank (fingerprint, vocabulary/LM head, compile and
+    cache). Unconstrained requests return before anything of `atom.structured_output` loads.
     """
     if fmt is None:
         return None
@@ -92,24 +88,113 @@ async def structured_output_preflight(
     ftype = fmt.get("type")
     if ftype == "text":
         return None
-    if ftype in ("json_object", "json_schema"):
-        dialect = serving.dialect
-        if dialect is not None and dialect.framed:
-            raise bad_request(
-                f"{param}: constrained output is not supported with the framed reasoning dialect "
-                f"{dialect.name!r} of this deployment",
-                param=param,
-                code="structured_output_unsupported",
-            )
+    if ftype not in ("json_object", "json_schema"):
         raise bad_request(
-            f"structured output is not enabled yet ({param}.type={ftype!r})",
+            f"unsupported {param}.type {ftype!r}; expected 'text', 'json_object' or 'json_schema'",
             param=param,
-            code="structured_output_unavailable",
         )
-    raise bad_request(
-        f"unsupported {param}.type {ftype!r}; expected 'text', 'json_object' or 'json_schema'",
-        param=param,
+    if endpoint == "messages":
+        raise bad_request(
+            f"{param}: constrained output is not supported on /v1/messages yet; use "
+            "/v1/chat/completions response_format or /v1/responses text.format",
+            param=param,
+            code="structured_output_unsupported",
+        )
+    from atom.structured_output import validation as so
+
+    try:
+        parse = (
+            so.parse_chat_response_format if endpoint == "chat" else so.parse_responses_text_format
+        )
+        constraint = parse(fmt)
+        if constraint is None:
+            return None
+        so.check_request_features(
+            stop=list(params.stop or []),
+            stop_param="stop_sequences" if endpoint == "messages" else "stop",
+            stop_token_ids=list(params.stop_token_ids or []),
+            ignore_eos=params.ignore_eos,
+            multimodal_param=_multimodal_param(request, endpoint),
+            tools=serving.filter_tools(getattr(request, "tools", None), "tools"),
+            logprobs=params.logprobs is not None,
+            speculative=getattr(serving.engine_config, "speculative_config", None) is not None,
+            param=param,
+        )
+    except so.FormatError as e:
+        raise bad_request(
+            e.message, param=e.param, code=getattr(e, "code", "invalid_response_format")
+        ) from None
+    dialect = serving.dialect
+    if dialect is not None and dialect.framed:
+        raise bad_request(
+            f"{param}: constrained output is not supported with the framed reasoning dialect "
+            f"{dialect.name!r} of this deployment",
+            param=param,
+            code="structured_output_unsupported",
+        )
+    end_marker = None
+    if dialect is not None and rendered.in_reasoning:
+        end_marker = dialect.end_marker.encode("utf-8")
+    spec = so.StructuredOutputSpec.of(constraint, end_marker)
+    rpc = getattr(serving.engine, "collective_rpc", None)
+    vocab_size = getattr(serving.hf_config, "vocab_size", None)
+    if rpc is None or not asyncio.iscoroutinefunction(rpc) or vocab_size is None:
+        raise bad_request(
+            f"{param}: this deployment has no collective worker RPC for structured output",
+            param=param,
+            code="structured_output_unsupported",
+        )
+    fingerprint = await anyio.to_thread.run_sync(
+        so.api_fingerprint,
+        serving.tokenizer,
+        list(getattr(serving.engine, "eos_token_ids", [])),
+        vocab_size,
     )
+    try:
+        await so.admit_on_workers(rpc, spec, fingerprint, vocab_size)
+    except so.AdmissionError as e:
+        raise bad_request(
+            f"{param}: structured output admission failed: {e}",
+            param=param,
+            code="structured_output_rejected",
+        ) from None
+    return spec
+
+
+def _multimodal_param(request: Any, endpoint: str) -> str | None:
+    """The field of the first non-text input part (None for text-only requests)."""
+    if endpoint == "chat":
+        for i, msg in enumerate(getattr(request, "messages", None) or []):
+            if isinstance(msg.content, list):
+                for j, part in enumerate(msg.content):
+                    if getattr(part, "type", "text") != "text":
+                        return f"messages[{i}].content[{j}]"
+    elif endpoint == "responses" and isinstance(getattr(request, "input", None), list):
+        text_parts = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
+        for i, item in enumerate(request.input):
+            content = getattr(item, "content", None)
+            if isinstance(content, list):
+                for j, part in enumerate(content):
+                    if getattr(part, "type", "input_text") not in text_parts + ("refusal",):
+                        return f"input[{i}].content[{j}]"
+    return None
+
+
+STRUCTURED_OUTPUT_ERROR = "structured_output_error"
+
+
+def structured_output_error(message: str) -> APIError:
+    """A constrained answer that cannot be returned as a success (grammar failure, failed final
+    validation): a 5xx, since it is not the client's fault, and never a success body."""
+    return APIError(message, status=500, code=STRUCTURED_OUTPUT_ERROR, type=STRUCTURED_OUTPUT_ERROR)
+
+
+def generation_error(message: str | None) -> APIError:
+    """The API error of an engine output that finished with "error"."""
+    message = message or "generation failed"
+    if message.startswith("structured output"):
+        return structured_output_error(message)
+    return APIError(message, status=500, code="generation_error")
 
 
 def structured_output_final_check(
@@ -119,10 +204,20 @@ def structured_output_final_check(
     removed) before any success is reported, streaming or not. Returns an error message when a
     constrained answer fails validation (the endpoint then reports an error: Chat non-stream 500
     body, Chat stream an error event then [DONE], Responses `failed`); None when fine. An output
-    cap hit mid-JSON is not a validation failure: it is reported as length / incomplete."""
-    if params.structured_output is None or finish_reason == "length":
+    cap hit mid-JSON is not a validation failure: it is reported as length / incomplete (never
+    as a success)."""
+    spec = params.structured_output
+    if spec is None or finish_reason == "length":
         return None
-    return None  # wired later: atom.structured_output.validation.validate_answer
+    from atom.structured_output.validation import AnswerValidationError, validate_answer
+
+    if spec.constraint is None:
+        return "structured output: the request lost its output constraint"
+    try:
+        validate_answer(spec.constraint, answer)
+    except AnswerValidationError as e:
+        return f"structured output: {e}"
+    return None
 
 
 class ServingContext:
@@ -144,7 +239,9 @@ class ServingContext:
             self.adapter.reasoning_dialect, self.tokenizer
         )
         self.encoder = get_encoder(self.adapter.chat_encoder, self.tokenizer)
-        self.metrics = ApiMetrics(self._engine_stats)
+        self.metrics = ApiMetrics(
+            self._engine_stats, getattr(engine, "structured_output_stats", None)
+        )
         self._token_bytes: dict[int, bytes] = {}
         self.created = int(time.time())
 

@@ -253,7 +253,7 @@ class ServingResponses:
         resp = dict(base)
         if final.finish_reason == "error":
             resp["status"] = "failed"
-            resp["error"] = {"code": "server_error", "message": final.error or "generation failed"}
+            resp["error"] = _failure(final.error or "generation failed")
             return resp
         parser = self.s.reasoning_parser(rendered)
         reasoning, text = "", final.text
@@ -264,7 +264,7 @@ class ServingResponses:
         invalid = structured_output_final_check(params, text, final.finish_reason)
         if invalid is not None:
             resp["status"] = "failed"
-            resp["error"] = {"code": "structured_output_error", "message": invalid}
+            resp["error"] = _failure(invalid)
             return resp
         item_status = self._finish_status(resp, final)
         output = []
@@ -427,7 +427,7 @@ class ServingResponses:
             error = structured_output_final_check(params, answer, final.finish_reason)
         if error is not None:
             r = snapshot("failed")
-            r["error"] = {"code": "server_error", "message": error}
+            r["error"] = _failure(error)
             yield ev("response.failed", response=r)
             return
         r = dict(base)
@@ -446,6 +446,11 @@ class ServingResponses:
         reasoning = parser.reasoning if parser is not None else ""
         r["usage"] = self._usage(rendered, final, reasoning)
         yield ev(f"response.{status}", response=r)
+
+
+def _failure(message: str) -> dict[str, Any]:
+    code = "structured_output_error" if message.startswith("structured output") else "server_error"
+    return {"code": code, "message": message}
 
 
 def _output_text(text: str) -> dict[str, Any]:
