@@ -14,6 +14,12 @@ target row) plus the row tensor; XGrammar takes the full mask and ``indices``.
 
 Usage (GPU; XGrammar/llguidance as wheels when the machine has no registry):
     python benchmarks/bench_bitmask_kernel.py [--quick] [--sweep] [--out benchmarks/results]
+The committed results were made with ``--timing events --no-llguidance --other-dtype-vocabs
+129280`` (``triton.testing.do_bench``: L2 flushed before each call, host launch cost included,
+so points under ~30 µs measure each library's launch path, not its kernel); ``--timing graph``
+(the default) replays CUDA graphs instead. References per point at batch >= 512: ``ref_fill``
+(write -inf to every element), ``ref_rmw`` (read and write every element), ``ref_mask_read``;
+``sector_floor`` is the DRAM-sector floor (see ``sector_floor_bytes``).
 
 Sanitizer run of the ``atom.structured_output.utils`` GPU path (pinned host rows, non-blocking
 H2D copies, events guarding host and device reuse, a change of stream, token D2H snapshots):
@@ -457,6 +463,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "copy_bandwidth_Bps": bandwidth,
+        "timing": args.timing,
         "check_failures": failures,
         "results": results,
         "sweep": sweep_rows,

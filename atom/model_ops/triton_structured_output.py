@@ -16,8 +16,11 @@ Each program takes a tile of mask words of one row and views its logits as 16-by
 by predication, with no branches and no loop over bits: a vector whose bits are all set issues
 no memory access; one with no bit set is overwritten with ``-inf`` by a full 16-byte store
 without being read; a mixed one is loaded, selected and stored back whole (allowed values
-unchanged), so no access is narrower than 16 bytes. The next tile's mask words are loaded before
-the current tile's stores, so their latency overlaps.
+unchanged), so no access is narrower than 16 bytes. When rows are whole 4-byte lanes (always
+for fp32; even vocab and stride for 16-bit types) the select is done on int32 lanes with a
+per-device 16-byte keep-mask table indexed by the vector's mask bits (one L1-resident load and
+bitwise ops instead of a select per element); otherwise per element. With several tiles per
+program the next tile's mask words are loaded before the current tile's stores.
 
 Triton is imported here, but only this module does so and nothing on the ordinary (unconstrained)
 path imports it; set ``TRITON_INTERPRET=1`` before the first import to run the kernel on CPU.
