@@ -8,8 +8,9 @@ For each schema of ``../shared/data/maskbench`` (``--limit N`` per subset), in o
   ``LLMatcher``. Both with the 129,280-token DeepSeek tokenizer.
 - compile time, cold (first request) and cached (a repeated schema: ours re-runs the preflight,
   hits the ready-cache and binds a request matcher; raw deep-copies a kept matcher);
-- mask time per token along every valid instance (ours through ``fill_masks``/``commit``, raw
-  through ``fill_bitmask_row``), both sides stepped in lock step token by token so that they see
+- mask time per token along every valid instance (ours through the runner's path,
+  ``MaskBuffers.host_rows`` + ``StructuredOutputManager.fill_masks``, then ``commit``; raw
+  through ``fill_bitmask_row``: llguidance's pointer API behind the usual buffer checks), both sides stepped in lock step token by token so that they see
   the same machine load, and valid instances the grammar accepts;
 - invalid instances accepted: raw = the grammar accepts it; ours = the grammar accepts it *and*
   the final validator passes it (an invalid success; must be 0).
@@ -117,9 +118,10 @@ class Ours:
 
     def __init__(self, hf: Any) -> None:
         from atom.structured_output.manager import StructuredOutputManager
+        from atom.structured_output.utils import MaskBuffers
 
         self.mgr = StructuredOutputManager(hf, vocab_size=VOCAB, cache_size=8192)
-        self.mask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
+        self.buffers = MaskBuffers(VOCAB)  # the runner's reusable host rows
 
     def compile(self, schema: Any) -> tuple[Any, str | None]:
         from atom.structured_output.validation import FormatError, parse_chat_response_format
@@ -183,15 +185,16 @@ class Raw:
 
 
 class _OursRun:
-    """One request through the manager: bind, masks via ``fill_masks``, ``commit``."""
+    """One request through the manager as the model runner drives it: bind, then per token
+    ``MaskBuffers.host_rows`` + ``fill_masks`` (timed), and ``commit``."""
 
     def __init__(self, ours: Ours, constraint: Any) -> None:
-        self.mgr, self.mask = ours.mgr, ours.mask
+        self.mgr, self.buffers = ours.mgr, ours.buffers
         self.eos = ours.mgr.backend.stop_token_ids[0]
         self.state = self.mgr.bind("run", constraint.prepared.key)
 
     def fill(self) -> None:
-        self.mgr.fill_masks(self.mask, [("run", [])])
+        self.mgr.fill_masks(self.buffers.host_rows(1), [("run", [])])
 
     def consume(self, token: int) -> bool:
         return self.mgr.commit("run", [token])

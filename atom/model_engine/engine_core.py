@@ -27,6 +27,15 @@ logger = logging.getLogger(__name__)
 OutputHandler = Callable[[list[RequestOutput]], None]
 
 
+class SubmissionRejected(ValueError):
+    """A rank refused to bind a constrained request at submission; nothing stays bound."""
+
+
+class GrammarPending(Exception):
+    """A grammar evicted since admission is recompiling in a worker's background executor;
+    nothing was bound or enqueued: submit again shortly (the engine loop never compiles)."""
+
+
 @dataclass
 class _RequestState:
     seq: Sequence
@@ -60,10 +69,22 @@ class EngineCore:
     # ---- inline API (the owning thread only) ----
 
     def add_request(self, seq: Sequence) -> None:
-        self.states[seq.request_id] = _RequestState(
-            seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params)
-        )
-        self.scheduler.add(seq)
+        """Accept a request. A constrained one is first bound on every rank (its own matcher, so
+        cache eviction after this point cannot matter); a bind failure raises with nothing
+        bound and nothing enqueued."""
+        constrained = seq.params.structured_output is not None
+        if constrained:
+            self._bind_structured([seq])
+        try:
+            self.states[seq.request_id] = _RequestState(
+                seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params)
+            )
+            self.scheduler.add(seq)
+        except BaseException:
+            self.states.pop(seq.request_id, None)
+            if constrained:
+                self.release_structured([seq.request_id])
+            raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for seq in self.scheduler.abort(request_ids):
@@ -102,6 +123,28 @@ class EngineCore:
         return self.executor.collective_rpc(method, *args, timeout=timeout, **kwargs)
 
     # ---- structured output ownership ----
+
+    def _bind_structured(self, seqs: list[Sequence]) -> None:
+        """Bind these constrained requests on every rank through the executor (collective).
+        On any failure the locally held list is released on every rank (idempotent there) and
+        the submission fails: `GrammarPending` (retry) or `SubmissionRejected`."""
+        ids = [s.request_id for s in seqs]
+        items = [(s.request_id, s.params.structured_output) for s in seqs]
+        try:
+            results = self.executor.collective_rpc("structured_output_bind", items)
+        except Exception as e:
+            self.release_structured(ids)
+            raise SubmissionRejected(f"structured output: binding failed: {e!r}") from None
+        failed = [r for r in results if r.get("status") != "ok"]
+        if not failed and results:
+            return
+        self.release_structured(ids)
+        errors = [r for r in failed if r.get("status") != "pending"]
+        if errors or not results:
+            r = errors[0] if errors else {"rank": "?", "message": "no rank answered"}
+            message = r.get("message") or "structured output: binding failed"
+            raise SubmissionRejected(f"{message} (rank {r.get('rank', '?')})")
+        raise GrammarPending(ids)
 
     def release_structured(self, request_ids: list[str]) -> None:
         """Drop these requests' grammar state on every rank (idempotent on the workers)."""
@@ -173,8 +216,15 @@ class EngineCore:
         )
         self._thread.start()
 
-    def submit_add(self, seq: Sequence) -> None:
-        self._command(("add", seq))
+    def submit_add(self, seq: Sequence) -> Future | None:
+        """Queue a request. A constrained one gets a Future settled once it was bound on every
+        rank and enqueued (result None) or refused (`SubmissionRejected` / `GrammarPending`);
+        ordinary requests stay fire-and-forget."""
+        future: Future | None = None
+        if seq.params.structured_output is not None:
+            future = Future()
+        self._command(("add", seq, future))
+        return future
 
     def submit_abort(self, request_ids: list[str]) -> None:
         self._command(("abort", request_ids))
@@ -201,7 +251,16 @@ class EngineCore:
     def _handle(self, cmd: tuple) -> bool:
         kind = cmd[0]
         if kind == "add":
-            self.add_request(cmd[1])
+            _, seq, future = cmd
+            if future is None:
+                self.add_request(seq)
+            elif future.set_running_or_notify_cancel():  # else the submitter gave up first
+                try:
+                    self.add_request(seq)
+                except Exception as e:  # noqa: BLE001 - reported to the submitter
+                    future.set_exception(e)
+                else:
+                    future.set_result(None)
         elif kind == "abort":
             self.abort_requests(cmd[1])
         elif kind == "utility":

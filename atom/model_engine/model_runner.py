@@ -75,7 +75,6 @@ class ModelRunner:
         self._so_manager: Any = None
         self._so_init: threading.Thread | None = None
         self._so_init_error: str | None = None
-        self._so_failed: dict[str, str] = {}  # request id -> bind failure
         self._mask_buffers: Any = None
 
     def _allocate_kv_cache(self, hf_config) -> None:
@@ -154,8 +153,8 @@ class ModelRunner:
         for i in rows:
             seq = seqs[i]
             state = mgr.state(seq.request_id) if mgr is not None else None
-            message = self._so_failed.get(seq.request_id)
-            if message is None and state is None:
+            message = None
+            if state is None:
                 message = "structured output: this request has no grammar state on this rank"
             if message is None and state.error is not None:
                 message = state.error
@@ -229,46 +228,76 @@ class ModelRunner:
             self._so_init_error = f"structured output initialization failed: {e}"
 
     def _grammar_sync(self, updates: list[GrammarUpdate]) -> None:
-        """Bind new requests (lazily, on first sight) and commit acknowledged tokens."""
-        mgr = self._so_manager
-        for u in updates:
-            rid = u.request_id
-            if u.spec is not None:
-                self._bind(rid, u.spec)
-            if u.new_token_ids and mgr is not None and mgr.state(rid) is not None:
-                mgr.commit(rid, u.new_token_ids)  # a rejection marks only this request
-
-    def _bind(self, request_id: str, spec: Any) -> None:
+        """Commit acknowledged tokens. Matchers were bound at submission
+        (`structured_output_bind`), so nothing here compiles or binds; a request without a state
+        on this rank is failed by `apply_logits_mask`."""
         mgr = self._so_manager
         if mgr is None:
-            self._so_failed[request_id] = "structured output: not initialized on this rank"
             return
-        try:
+        for u in updates:
+            if u.new_token_ids and mgr.state(u.request_id) is not None:
+                mgr.commit(u.request_id, u.new_token_ids)  # a rejection marks only this request
+
+    def structured_output_bind(self, items: list[tuple[str, Any]]) -> dict:
+        """Submission RPC: give each `(request_id, spec)` its own matcher on this rank, all or
+        none. Called by the engine core before the requests enter the scheduler.
+
+        Never compiles on the calling thread (the engine loop): a grammar evicted from the
+        compile cache since admission is recompiled in the background executor and answered
+        "pending" with nothing bound, and the submitter polls. Answers
+        {"status": "ok" | "pending" | "error", "message", "rank"}.
+        """
+
+        def answer(status: str, message: str = "") -> dict:
+            return {"status": status, "message": message, "rank": self.rank}
+
+        from atom.structured_output.manager import AdmissionResult
+
+        mgr = self._so_manager
+        if mgr is None:
+            return answer(
+                "error", self._so_init_error or "structured output: not initialized on this rank"
+            )
+        bound: list[str] = []
+        status, message = "ok", ""
+        for rid, spec in items:
             try:
-                mgr.bind(request_id, spec.key, spec.end_marker)
+                mgr.bind(rid, spec.key, spec.end_marker)
+                bound.append(rid)
+                continue
             except LookupError:
-                # Evicted from the compile cache since admission (many distinct schemas in
-                # flight): recompile now; rare, and bounded by one compile.
-                result = mgr.admit(spec, mgr.fingerprint, mgr.vocab_size, wait_s=120.0)
-                if result.status != "ready":
-                    raise ValueError(result.message or "grammar compilation failed") from None
-                mgr.bind(request_id, spec.key, spec.end_marker)
-        except ValueError as e:
-            self._so_failed[request_id] = f"structured output: {e}"
+                pass  # evicted since admission (or never admitted on this rank)
+            except ValueError as e:
+                status, message = "error", f"structured output: {e}"
+                break
+            result = mgr.admit(spec, mgr.fingerprint, mgr.vocab_size)  # background, no wait
+            if result.status == "ready":  # finished in between: binding is a deep copy
+                try:
+                    mgr.bind(rid, spec.key, spec.end_marker)
+                    bound.append(rid)
+                    continue
+                except LookupError:  # evicted again: let the submitter poll
+                    result = AdmissionResult("pending")
+            status = result.status
+            message = f"structured output: {result.message}" if result.message else ""
+            break
+        if status != "ok":
+            for rid in bound:
+                mgr.release(rid)
+        return answer(status, message)
 
     def structured_output_release(self, request_ids: list[str]) -> None:
         """Drop these requests' grammar state; idempotent (every terminal path may call it)."""
-        for rid in request_ids:
-            self._so_failed.pop(rid, None)
-            if self._so_manager is not None:
+        if self._so_manager is not None:
+            for rid in request_ids:
                 self._so_manager.release(rid)
 
     def structured_output_stats(self) -> dict:
         mgr = self._so_manager
         if mgr is None:
-            return {"live_grammar_states": len(self._so_failed), "cached_grammars": 0}
+            return {"live_grammar_states": 0, "cached_grammars": 0}
         return {
-            "live_grammar_states": mgr.num_live_states + len(self._so_failed),
+            "live_grammar_states": mgr.num_live_states,
             "cached_grammars": mgr.num_cached_grammars,
         }
 

@@ -20,8 +20,9 @@ from atom.model_engine.sequence import Sequence, SequenceStatus
 @dataclass
 class GrammarUpdate:
     """Structured output, scheduler -> runner: the spec on a request's first schedule (None
-    afterwards) and the output tokens accepted since the previous update (committed by the
-    runner before it masks this step's logits)."""
+    afterwards; the matcher itself was bound on every rank at submission, so the runner never
+    binds or compiles here) and the output tokens accepted since the previous update
+    (committed by the runner before it masks this step's logits)."""
 
     request_id: str
     spec: Any

@@ -75,6 +75,11 @@ class GrammarState:
         self.error: str | None = None
         self._backend = backend
         self._masks = masks
+        self._stop_mask, self._free_mask = masks["stop"], masks["free"]
+        # Bound methods of the per-token mask path, looked up once (see ``fill_masks``).
+        self._compute_mask_ptr = matcher.unsafe_compute_mask_ptr
+        self._is_stopped = matcher.is_stopped
+        self._is_error = matcher.is_error
         self._marker = end_marker or b""
         self.active = not self._marker
         self._tail = b""
@@ -143,38 +148,51 @@ class GrammarState:
         if undo:
             self.active, self._tail = undo[0][1], undo[0][2]
 
-    def _fill_row(self, bitmask: torch.Tensor, row: int) -> None:
+    def _fill_row(self, bitmask: torch.Tensor, row: int, base: int = 0, row_bytes: int = 0) -> None:
+        """One row. With ``row_bytes`` the caller has validated ``bitmask`` (``base`` is its data
+        pointer) and llguidance writes the row through the pointer directly."""
         if self.error is not None:
-            bitmask[row] = self._masks["stop"]
+            bitmask[row] = self._stop_mask
         elif not self.active:
-            bitmask[row] = self._masks["free"]
-        elif self.matcher.is_stopped():  # terminated: only EOS remains
-            bitmask[row] = self._masks["stop"]
+            bitmask[row] = self._free_mask
+        elif self._is_stopped():  # terminated: only EOS remains
+            bitmask[row] = self._stop_mask
         else:
-            fill_bitmask_row(self.matcher, bitmask, row)
-            if self.matcher.is_error():
+            if row_bytes:
+                self._compute_mask_ptr(base + row * row_bytes, row_bytes)
+            else:
+                fill_bitmask_row(self.matcher, bitmask, row)
+            if self._is_error():
                 self.error = "structured output: grammar failure"
-                bitmask[row] = self._masks["stop"]
+                bitmask[row] = self._stop_mask
 
-    def fill_rows(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int]) -> int:
+    def fill_rows(
+        self,
+        bitmask: torch.Tensor,
+        row: int,
+        drafts: Sequence[int],
+        base: int = 0,
+        row_bytes: int = 0,
+    ) -> int:
         """Rows ``row .. row + len(drafts)``: the mask after each draft prefix; state unchanged.
 
         Rows after a draft the grammar rejects are unreachable and get the stop mask.
+        ``base``/``row_bytes``: see ``_fill_row``.
         """
         if not drafts:
-            self._fill_row(bitmask, row)
+            self._fill_row(bitmask, row, base, row_bytes)
             return 1
         saved = (self.active, self._tail)
         consumed = 0
         try:
             for j in range(len(drafts) + 1):
-                self._fill_row(bitmask, row + j)
+                self._fill_row(bitmask, row + j, base, row_bytes)
                 if j == len(drafts) or self.error is not None:
                     continue
                 ok, n = self._advance(drafts[j], speculative=True)
                 consumed += n
                 if not ok:
-                    bitmask[row + j + 1 : row + len(drafts) + 1] = self._masks["stop"]
+                    bitmask[row + j + 1 : row + len(drafts) + 1] = self._stop_mask
                     break
         finally:
             if consumed:
@@ -216,6 +234,8 @@ class StructuredOutputManager:
         self._ready: OrderedDict[str, LLMatcher | _Failed] = OrderedDict()
         self._pending: dict[str, Future] = {}
         self._states: dict[str, GrammarState] = {}
+        # The last mask buffer given to ``fill_masks`` and its validated geometry.
+        self._mask_geometry: tuple[torch.Tensor, int, int, int] | None = None
         self._executor = ThreadPoolExecutor(compile_threads, thread_name_prefix="atom-grammar")
 
     # ---- admission ---------------------------------------------------------------------------
@@ -321,12 +341,49 @@ class StructuredOutputManager:
     def fill_masks(self, bitmask: torch.Tensor, batch: Sequence[tuple[str, Sequence[int]]]) -> int:
         """Fill consecutive rows from row 0: per request, ``1 + len(drafts)`` rows in order.
 
-        Returns the number of rows filled.
+        Returns the number of rows filled. ``bitmask`` is validated when it is first seen (a
+        buffer must not be resized or re-pointed in place afterwards; ``MaskBuffers`` never
+        does); an active row without drafts then costs one state check and one llguidance call
+        writing straight into the row: no per-row tensor slicing, checks or ``data_ptr()``.
         """
+        geometry = self._mask_geometry
+        if geometry is None or geometry[0] is not bitmask:
+            geometry = self._mask_geometry = self._validate_mask(bitmask)
+        _, base, num_rows, row_bytes = geometry
+        states = self._states
         row = 0
         for request_id, drafts in batch:
-            row += self._states[request_id].fill_rows(bitmask, row, drafts)
+            state = states[request_id]
+            if drafts:
+                if row + len(drafts) >= num_rows:
+                    raise IndexError(f"{row + len(drafts) + 1} rows exceed a {num_rows}-row mask")
+                row += state.fill_rows(bitmask, row, drafts, base, row_bytes)
+                continue
+            if row >= num_rows:
+                raise IndexError(f"{row + 1} rows exceed a {num_rows}-row mask")
+            if state.active and state.error is None and not state._is_stopped():
+                state._compute_mask_ptr(base + row * row_bytes, row_bytes)  # the fast path
+                if state._is_error():
+                    state.error = "structured output: grammar failure"
+                    bitmask[row] = state._stop_mask
+            else:
+                state._fill_row(bitmask, row)
+            row += 1
         return row
+
+    def _validate_mask(self, bitmask: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+        """(bitmask, data pointer, rows, bytes per row) of a buffer llguidance may write into."""
+        if (
+            bitmask.dtype is not torch.int32
+            or not bitmask.is_cpu
+            or bitmask.dim() != 2
+            or not bitmask.is_contiguous()
+        ):
+            raise ValueError("bitmask must be a contiguous 2-D int32 CPU tensor")
+        num_rows, words = bitmask.shape
+        if words * 32 < self.lm_head_size:
+            raise ValueError(f"bitmask rows of {words} words are too short for the vocabulary")
+        return bitmask, bitmask.data_ptr(), num_rows, words * 4
 
     # ---- counters and shutdown ---------------------------------------------------------------
 

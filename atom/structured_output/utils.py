@@ -90,6 +90,8 @@ class MaskBuffers:
         self.device = torch.device(device)
         self._capacity = 0
         self._host: torch.Tensor | None = None
+        self._view: torch.Tensor | None = None  # the last ``host_rows`` view
+        self._view_rows = 0
         self._host_rows_idx: torch.Tensor | None = None
         self._dev: torch.Tensor | None = None
         self._dev_rows_idx: torch.Tensor | None = None
@@ -111,7 +113,10 @@ class MaskBuffers:
         if n > self._capacity:
             self._grow(n)
         assert self._host is not None
-        return self._host[:n]
+        if self._view is None or self._view_rows != n:
+            # Reused while n is unchanged: no per-step slicing, and ``fill_masks`` recognizes it.
+            self._view, self._view_rows = self._host[:n], n
+        return self._view
 
     def _grow(self, n: int) -> None:
         """Reallocate with headroom; the old device buffer is dropped only after its last kernel."""
@@ -120,6 +125,7 @@ class MaskBuffers:
             self._kernel_done.synchronize()
         pin = self.on_cuda
         self._host = torch.empty((capacity, self.num_words), dtype=torch.int32, pin_memory=pin)
+        self._view = None
         self._host_rows_idx = torch.empty(capacity, dtype=torch.int32, pin_memory=pin)
         if self.on_cuda:
             self._dev = torch.empty(

@@ -482,5 +482,72 @@ def test_cancelled_admission_is_settled_before_cancellation(engine):
     asyncio.run(main())
 
 
+def test_failed_submission_is_an_error_and_leaks_nothing(
+    server, model_id, engine, wait_idle, monkeypatch
+):
+    """Binding happens at submission on every rank. If any rank refuses (simulated: a second
+    rank answering an error after the first bound), the API answers an error, the rank that
+    did bind is released and nothing is enqueued."""
+    executor = engine.engine.executor
+    real = executor.collective_rpc
+
+    def one_rank_refuses(method, *args, **kwargs):
+        results = real(method, *args, **kwargs)
+        if method == "structured_output_bind":
+            assert results[0]["status"] == "ok"
+            results = [*results, {"status": "error", "message": "simulated refusal", "rank": 1}]
+        return results
+
+    assert _post(server, "/v1/chat/completions", _chat(model_id)).status_code == 200  # warm
+    monkeypatch.setattr(executor, "collective_rpc", one_rank_refuses)
+    r = _post(server, "/v1/chat/completions", _chat(model_id))
+    assert r.status_code == 400, r.text
+    assert "simulated refusal" in r.json()["error"]["message"]
+    assert engine.structured_output_stats()["live_grammar_states"] == 0
+    r = _post(
+        server,
+        "/v1/responses",
+        {
+            "model": model_id,
+            "input": "2+2?",
+            "text": {"format": {"type": "json_schema", "name": "a", "schema": SCHEMA}},
+        },
+    )
+    assert r.status_code == 400, r.text
+    assert engine.structured_output_stats()["live_grammar_states"] == 0
+    wait_idle()
+    monkeypatch.setattr(executor, "collective_rpc", real)
+    assert _post(server, "/v1/chat/completions", _chat(model_id)).status_code == 200
+    _wait_released(server)
+
+
+def test_cancelled_submission_is_settled_before_abort(engine, wait_idle):
+    """A submission cancelled while the engine core binds it is settled first (bound and
+    enqueued, or refused), then aborted: nothing is left bound or queued."""
+    from atom.sampling_params import SamplingParams
+    from atom.structured_output.validation import StructuredOutputSpec
+
+    spec = StructuredOutputSpec.of(parse_chat_response_format(RESPONSE_FORMAT), None)
+    prompt = engine.tokenizer.encode("Reply in JSON.")
+
+    async def main() -> None:
+        params = SamplingParams(max_tokens=16, structured_output=spec)
+        stream = engine.generate("cancelled-submission", prompt, params)
+        task = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # the submission is queued on the engine loop
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert "cancelled-submission" not in engine._queues
+
+    asyncio.run(main())
+    wait_idle()
+    deadline = time.monotonic() + 20
+    while engine.structured_output_stats()["live_grammar_states"] != 0:
+        assert time.monotonic() < deadline, "grammar states leaked"
+        time.sleep(0.05)
+    assert "cancelled-submission" not in engine.engine._route
+
+
 def _format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}

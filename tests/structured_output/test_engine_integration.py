@@ -151,25 +151,116 @@ def _prompt(engine: LLMEngine, text: str) -> list[int]:
     )
 
 
-def test_grammar_failure_ends_only_its_request(smol):
+def test_failed_submission_leaves_nothing_and_others_run(smol):
     good = spec_of(smol, SMALL)
-    # A spec the worker cannot compile (never admitted): binding fails on first schedule.
+    # A spec the worker cannot compile (never admitted): binding at submission recompiles it in
+    # the background, then refuses the submission; nothing is enqueued or left bound.
     bad = StructuredOutputSpec("never-admitted", {"type": "array", "uniqueItems": True})
     prompt = _prompt(smol, "Reply with JSON.")
     smol.add_request(
         "good", prompt, SamplingParams(temperature=0, max_tokens=16, structured_output=good)
     )
-    smol.add_request(
-        "bad", prompt, SamplingParams(temperature=0, max_tokens=16, structured_output=bad)
-    )
+    with pytest.raises(ValueError, match="uniqueItems") as exc:
+        smol.add_request(
+            "bad", prompt, SamplingParams(temperature=0, max_tokens=16, structured_output=bad)
+        )
+    assert str(exc.value).startswith("structured output")
     smol.add_request("plain", prompt, SamplingParams(temperature=0, max_tokens=4))
+    assert live_states(smol) == 1  # only "good" is bound
     done = run(smol)
-    assert done["bad"].finish_reason == "error"
-    assert done["bad"].error.startswith("structured output") and "uniqueItems" in done["bad"].error
+    assert "bad" not in done
     assert done["good"].finish_reason == "stop"
     validate_answer(good.constraint, done["good"].text)
     assert done["plain"].finish_reason in ("stop", "length") and done["plain"].text
-    assert live_states(smol) == 0  # released on finish and on error, idempotently
+    assert live_states(smol) == 0  # released on finish, idempotently
+    assert "bad" not in smol._route
+
+
+def test_failure_after_binding_releases_every_rank(smol, monkeypatch):
+    """A submission that fails after the ranks bound (here: the RPC reply is lost) releases its
+    sequence list on every rank; the id can be submitted again."""
+    spec = spec_of(smol, SMALL)
+    executor = smol.executor
+    real = executor.collective_rpc
+
+    def lossy(method, *args, **kwargs):
+        results = real(method, *args, **kwargs)
+        if method == "structured_output_bind":
+            assert live_states(smol) == 1  # bound, then the reply is lost
+            raise RuntimeError("reply lost")
+        return results
+
+    monkeypatch.setattr(executor, "collective_rpc", lossy)
+    params = SamplingParams(temperature=0, max_tokens=16, structured_output=spec)
+    prompt = _prompt(smol, "Reply with JSON.")
+    with pytest.raises(ValueError, match="binding failed"):
+        smol.add_request("lost", prompt, params)
+    assert live_states(smol) == 0
+    assert not smol.has_unfinished_requests()
+    monkeypatch.setattr(executor, "collective_rpc", real)
+    smol.add_request("lost", prompt, params)
+    done = run(smol)
+    assert done["lost"].finish_reason == "stop", done["lost"].error
+    assert live_states(smol) == 0
+
+
+def _closed(name: str, schema: dict) -> dict:
+    return {
+        "type": "object",
+        "properties": {name: schema},
+        "required": [name],
+        "additionalProperties": False,
+    }
+
+
+def test_cache_eviction_after_admission_does_not_matter(smol, monkeypatch):
+    """With a one-entry compile cache, a request's grammar is evicted between its admission and
+    its scheduling (or even its submission): it still completes and validates, and the engine
+    loop never compiles (evicted grammars recompile only on the background executor)."""
+    import threading
+
+    runner = smol.executor.workers[0]
+    mgr = runner._so_manager
+    if mgr is None:
+        spec_of(smol, SMALL)
+        mgr = runner._so_manager
+    monkeypatch.setattr(mgr, "cache_size", 1)
+    compile_threads: list[str] = []
+    real_compile = mgr.backend.compile
+
+    def compile_watch(lowered):
+        compile_threads.append(threading.current_thread().name)
+        return real_compile(lowered)
+
+    monkeypatch.setattr(mgr.backend, "compile", compile_watch)
+    a = spec_of(smol, _closed("x", {"enum": [1, 2]}))
+    prompt = _prompt(smol, "Reply with JSON.")
+    smol.add_request(
+        "evict-a", prompt, SamplingParams(temperature=0, max_tokens=24, structured_output=a)
+    )
+    b = spec_of(smol, _closed("y", {"type": "boolean"}))
+    assert a.key not in mgr._ready and mgr.num_cached_grammars == 1  # A evicted, A still bound
+    # C admitted, then evicted by D before its submission: the submission is retried while C
+    # recompiles in the background, never on the caller or engine thread.
+    c = spec_of(smol, _closed("c", {"enum": ["p", "q"]}))
+    spec_of(smol, {"type": "object", "properties": {"z": {"type": "string"}}})
+    assert c.key not in mgr._ready
+    smol.add_request(
+        "evict-c", prompt, SamplingParams(temperature=0, max_tokens=24, structured_output=c)
+    )
+    smol.add_request(
+        "evict-b", prompt, SamplingParams(temperature=0, max_tokens=24, structured_output=b)
+    )
+    assert live_states(smol) == 3
+    n_compiles = len(compile_threads)
+    done = run(smol)
+    assert len(compile_threads) == n_compiles  # nothing compiled while stepping
+    assert all(name.startswith("atom-grammar") for name in compile_threads), compile_threads
+    for rid, spec in (("evict-a", a), ("evict-b", b), ("evict-c", c)):
+        out = done[rid]
+        assert out.finish_reason == "stop", (out.error, out.text)
+        validate_answer(spec.constraint, out.text)
+    assert live_states(smol) == 0
 
 
 def _prompt_at_block_end(engine: LLMEngine, text: str) -> list[int]:

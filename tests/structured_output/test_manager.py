@@ -166,3 +166,33 @@ def test_release_and_duplicates(mgr, rid) -> None:
     mgr.release(rid)
     mgr.release("never-bound")
     assert mgr.num_live_states == 0
+
+
+def test_fast_fill_matches_checked_fill_and_validates_buffer(mgr, hf, rid) -> None:
+    """``fill_masks`` (pointer fast path) writes the same rows as the checked per-row fill along
+    a whole answer, at any row offset, and refuses buffers it cannot write through safely."""
+    from atom.structured_output.utils import fill_bitmask_row
+
+    state = mgr.bind(rid, "s")
+    mgr.bind(rid + "-twin", "s")
+    try:
+        for token in enc(hf, '{"a":12}') + [EOS]:
+            fast, slow = rows(3), rows(3)
+            assert mgr.fill_masks(fast, [(rid + "-twin", []), (rid, [])]) == 2
+            state._fill_row(slow, 1)  # the checked path (fill_bitmask_row)
+            assert torch.equal(fast[1], slow[1]) and torch.equal(fast[0], fast[1])
+            if not state.matcher.is_stopped():
+                ref = rows(1)
+                fill_bitmask_row(state.matcher, ref, 0)
+                assert torch.equal(fast[1], ref[0])
+            assert mgr.commit(rid, [token]) and mgr.commit(rid + "-twin", [token])
+        assert state.finished
+        with pytest.raises(IndexError):
+            mgr.fill_masks(rows(1), [(rid, []), (rid + "-twin", [])])
+        with pytest.raises(IndexError):
+            mgr.fill_masks(rows(2), [(rid, [EOS, EOS])])
+        for bad in (rows(2).to(torch.int64), rows(2)[:, ::2], rows(2)[0]):
+            with pytest.raises(ValueError):
+                mgr.fill_masks(bad, [(rid, [])])
+    finally:
+        mgr.release(rid + "-twin")
