@@ -205,17 +205,12 @@ class ServingChat:
     ) -> dict[str, Any]:
         if final.finish_reason == "error":
             raise generation_error(final.error)
-        parser = self.s.reasoning_parser(rendered)
-        reasoning, text = "", final.text
-        if parser is not None:
-            parser.feed(final.text)
-            parser.finish()
-            reasoning, text = parser.reasoning, parser.text
+        reasoning, text = self.s.split_reasoning(rendered, final.text)
         invalid = structured_output_final_check(params, text, final.finish_reason)
         if invalid is not None:
             raise structured_output_error(invalid)
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        if parser is not None and (reasoning or rendered.in_reasoning):
+        if self.s.dialect is not None and (reasoning or rendered.in_reasoning):
             message["reasoning_content"] = reasoning
         choice: dict[str, Any] = {
             "index": 0,

@@ -337,6 +337,15 @@ class ServingContext:
             return None
         return self.dialect.parser(rendered.in_reasoning)
 
+    def split_reasoning(self, rendered: RenderedPrompt, output: str) -> tuple[str, str]:
+        """(reasoning, visible answer) of a finished output, parsed as the stream would be."""
+        parser = self.reasoning_parser(rendered)
+        if parser is None:
+            return "", output
+        parser.feed(output)
+        parser.finish()
+        return parser.reasoning, parser.text
+
     # ---- output cap -----------------------------------------------------------------------
     def resolve_cap(
         self, requested: int | None, param: str, prompt_len: int, input_param: str

@@ -139,7 +139,7 @@ class ServingMessages:
             stop=stops,
         )
         message_id = random_id("msg_")
-        # STRUCTURED-OUTPUT HOOK (output_config.format): refused until structured output is wired.
+        # Constrained Messages output is refused in the preflight (Chat and Responses only).
         params.structured_output = await structured_output_preflight(
             s,
             request=req,
@@ -177,12 +177,7 @@ class ServingMessages:
     def _full(self, message_id: str, req, rendered: RenderedPrompt, final: Any) -> dict[str, Any]:
         if final.finish_reason == "error":
             raise APIError(final.error or "generation failed", status=500)
-        parser = self.s.reasoning_parser(rendered)
-        reasoning, text = "", final.text
-        if parser is not None:
-            parser.feed(final.text)
-            parser.finish()
-            reasoning, text = parser.reasoning, parser.text
+        reasoning, text = self.s.split_reasoning(rendered, final.text)
         content: list[dict[str, Any]] = []
         if reasoning:
             content.append({"type": "thinking", "thinking": reasoning, "signature": ""})

@@ -255,12 +255,7 @@ class ServingResponses:
             resp["status"] = "failed"
             resp["error"] = _failure(final.error or "generation failed")
             return resp
-        parser = self.s.reasoning_parser(rendered)
-        reasoning, text = "", final.text
-        if parser is not None:
-            parser.feed(final.text)
-            parser.finish()
-            reasoning, text = parser.reasoning, parser.text
+        reasoning, text = self.s.split_reasoning(rendered, final.text)
         invalid = structured_output_final_check(params, text, final.finish_reason)
         if invalid is not None:
             resp["status"] = "failed"
