@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_TOP_LOGPROBS = 20
+# The range a torch.Generator seed accepts (int64 and uint64 values).
+MIN_SEED = -(2**63)
+MAX_SEED = 2**64 - 1
 
 
 @dataclass
@@ -30,6 +33,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be between {MIN_SEED} and {MAX_SEED}")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:

@@ -71,3 +71,30 @@ def test_responses_items_without_type_are_messages():
         }
     )
     assert [i.type for i in r.input] == ["message", "function_call_output"]
+
+
+def test_find_lone_surrogate_names_the_field():
+    from atom.entrypoints.openai.protocol import find_lone_surrogate
+
+    assert find_lone_surrogate({"messages": [{"content": "ok"}, {"content": "x\ud800"}]}) == (
+        "messages[1].content"
+    )
+    assert find_lone_surrogate({"m": {"k\udc00": 1}}) == "m.k\\udc00"
+    assert find_lone_surrogate({"a": ["😀", {"b": 1}]}) is None
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "\udfff"}]}
+        )
+    assert e.value.errors()[0]["ctx"]["param"] == "messages[0].content"
+
+
+def test_seed_range():
+    from atom.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
+
+    SamplingParams(seed=MAX_SEED)
+    SamplingParams(seed=MIN_SEED)
+    for seed in (MAX_SEED + 1, MIN_SEED - 1):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=seed)
+        with pytest.raises(ValidationError):
+            ResponsesRequest.model_validate({"model": "m", "input": "hi", "seed": seed})

@@ -13,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from atom.entrypoints.openai.protocol import LONE_SURROGATE_ERROR
+
 logger = logging.getLogger("atom.api")
 
 _OPENAI_TYPES = {
@@ -104,6 +106,11 @@ def loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
     return out or None
 
 
+def _field_depth(loc: tuple[Any, ...] | list[Any]) -> int:
+    param = loc_to_param(loc) or ""
+    return param.count(".") + param.count("[") + (1 if param else 0)
+
+
 def _is_messages_path(request: Request) -> bool:
     return request.url.path.rstrip("/").endswith("/v1/messages")
 
@@ -118,18 +125,35 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if not errors:
         return bad_request("invalid request body")
     first = errors[0]
+    if first.get("type") == LONE_SURROGATE_ERROR:
+        param = first.get("ctx", {}).get("param")
+        return bad_request(first.get("msg", "lone surrogate"), param=param, code="invalid_unicode")
     if first.get("type") == "json_invalid":
         msg = first.get("ctx", {}).get("error") or first.get("msg", "invalid JSON")
         return bad_request(f"The request body is not valid JSON: {msg}", code="invalid_json")
     if list(first.get("loc", ())) == ["body"]:
         return bad_request(f"The request body must be a JSON object: {first.get('msg')}")
-    param = loc_to_param(first.get("loc", ()))
-    # Prefer the error that names the deepest real field (discriminated unions report several).
+    # Prefer the error that names the deepest real field: a union such as `str | list[part]`
+    # reports its shallow "should be a valid string" first, the real culprit (the part) after.
+    errors = sorted(errors, key=lambda e: -_field_depth(e.get("loc", ())))
+    param = loc_to_param(errors[0].get("loc", ()))
     msgs = []
     for e in errors[:3]:
         p = loc_to_param(e.get("loc", ()))
         msgs.append(f"{p or 'body'}: {e.get('msg')}")
     return bad_request("Invalid request: " + "; ".join(msgs), param=param)
+
+
+def body_parse_error(cause: BaseException) -> APIError:
+    """The 400 of a body that FastAPI could not decode (its own JSON errors are 422s, mapped by
+    `validation_error`): not UTF-8, or nested deeper than the JSON decoder recurses."""
+    if isinstance(cause, UnicodeDecodeError):
+        why = f"it is not valid UTF-8 ({cause.reason} at byte {cause.start})"
+    elif isinstance(cause, RecursionError):
+        why = "it is nested too deeply"
+    else:
+        why = f"{type(cause).__name__}: {cause}"
+    return bad_request(f"The request body is not valid JSON: {why}", code="invalid_json")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -143,6 +167,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.__cause__ is not None and "parsing" in str(exc.detail):
+            # FastAPI's "There was an error parsing the body": say why.
+            return error_response(request, body_parse_error(exc.__cause__))
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return error_response(request, APIError(str(exc.detail), status=exc.status_code, code=code))
 

@@ -6,11 +6,13 @@ serving modules (the SDKs define their shapes), with the request models here doc
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic_core import PydanticCustomError
 
-from atom.sampling_params import MAX_TOP_LOGPROBS
+from atom.sampling_params import MAX_SEED, MAX_TOP_LOGPROBS, MIN_SEED
 
 
 class _Lenient(BaseModel):
@@ -19,6 +21,52 @@ class _Lenient(BaseModel):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+LONE_SURROGATE_ERROR = "lone_surrogate"
+
+
+def find_lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The field path ("messages[0].content") of the first string (or object key) holding a lone
+    UTF-16 surrogate such as a JSON `"\\ud800"`; None when there is none. JSON decoding accepts
+    them, but they are not text: no tokenizer or UTF-8 encoder takes them."""
+    stack = [(value, path)]
+    while stack:
+        v, p = stack.pop()
+        if isinstance(v, str):
+            if _LONE_SURROGATE.search(v):
+                return p or None
+        elif isinstance(v, dict):
+            items = []
+            for k, item in v.items():
+                key = str(k)
+                if _LONE_SURROGATE.search(key):  # name the key, escaped
+                    key = key.encode("utf-8", "backslashreplace").decode("utf-8")
+                    return f"{p}.{key}" if p else key
+                items.append((item, f"{p}.{key}" if p else key))
+            stack.extend(reversed(items))
+        elif isinstance(v, list):
+            stack.extend((item, f"{p}[{i}]") for i, item in reversed(list(enumerate(v))))
+    return None
+
+
+class _RequestBody(_Lenient):
+    """A request body: refuses lone surrogates anywhere in it with a 400 naming the field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            param = find_lone_surrogate(data)
+            if param is not None:
+                raise PydanticCustomError(
+                    LONE_SURROGATE_ERROR,
+                    "{param}: the string contains a lone UTF-16 surrogate (an unpaired \\uD800-"
+                    "\\uDFFF escape), which is not valid Unicode text",
+                    {"param": param},
+                )
+        return data
 
 
 # --------------------------------------------------------------------------------------------
@@ -82,7 +130,7 @@ class ChatThinking(_Lenient):
     budget_tokens: int | None = None
 
 
-class ChatCompletionRequest(_Lenient):
+class ChatCompletionRequest(_RequestBody):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -90,7 +138,7 @@ class ChatCompletionRequest(_Lenient):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -177,7 +225,7 @@ class ResponsesReasoningConfig(_Lenient):
     summary: str | None = None
 
 
-class ResponsesRequest(_Lenient):
+class ResponsesRequest(_RequestBody):
     model: str
     input: str | list[ResponsesInputItem]
     instructions: str | None = None
@@ -194,7 +242,7 @@ class ResponsesRequest(_Lenient):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     previous_response_id: str | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,7 +308,7 @@ class AnthropicOutputConfig(_Lenient):
     format: dict[str, Any] | None = None
 
 
-class AnthropicMessagesRequest(_Lenient):
+class AnthropicMessagesRequest(_RequestBody):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     # Required by Anthropic; optional here: omitted means min(deployment limit, remaining context).
