@@ -23,6 +23,7 @@ from atom.entrypoints.openai.serving_engine import (
     generation_error,
     random_id,
     run_until_disconnect,
+    stream_pieces,
     structured_output_error,
     structured_output_final_check,
     structured_output_preflight,
@@ -270,13 +271,7 @@ class ServingChat:
                 final = out
                 if out.finished and out.finish_reason == "error":
                     break
-                pieces = (
-                    parser.feed(out.delta_text)
-                    if parser is not None
-                    else [("text", out.delta_text)]
-                )
-                if out.finished and parser is not None:
-                    pieces += parser.finish()
+                pieces = stream_pieces(parser, out.delta_text, out.finished)
                 lp = (
                     {"content": self._logprobs_entries(out.logprobs or [], top)}
                     if req.logprobs

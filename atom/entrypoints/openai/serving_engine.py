@@ -220,6 +220,18 @@ def structured_output_final_check(
     return None
 
 
+def stream_pieces(
+    parser: ReasoningParser | None, delta: str, finished: bool
+) -> list[tuple[str, str]]:
+    """(channel, text) pieces of one streamed delta; without a dialect all of it is answer text."""
+    if parser is None:
+        return [("text", delta)]
+    pieces = parser.feed(delta)
+    if finished:
+        pieces += parser.finish()
+    return pieces
+
+
 class ServingContext:
     """The served deployment and the engine it runs on."""
 

@@ -24,6 +24,7 @@ from atom.entrypoints.openai.serving_engine import (
     ServingContext,
     random_id,
     run_until_disconnect,
+    stream_pieces,
     structured_output_preflight,
 )
 from atom.entrypoints.openai.sse import SSEResponse, typed_event
@@ -249,13 +250,7 @@ class ServingMessages:
                 if out.finished and out.finish_reason == "error":
                     error = out.error or "generation failed"
                     break
-                pieces = (
-                    parser.feed(out.delta_text)
-                    if parser is not None
-                    else [("text", out.delta_text)]
-                )
-                if out.finished and parser is not None:
-                    pieces += parser.finish()
+                pieces = stream_pieces(parser, out.delta_text, out.finished)
                 for channel, text in pieces:
                     want = REASONING if channel == REASONING else "text"
                     if kind != want:

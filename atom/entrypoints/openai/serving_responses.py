@@ -23,6 +23,7 @@ from atom.entrypoints.openai.serving_engine import (
     ServingContext,
     random_id,
     run_until_disconnect,
+    stream_pieces,
     structured_output_final_check,
     structured_output_preflight,
 )
@@ -400,13 +401,7 @@ class ServingResponses:
                 if out.finished and out.finish_reason == "error":
                     error = out.error or "generation failed"
                     break
-                pieces = (
-                    parser.feed(out.delta_text)
-                    if parser is not None
-                    else [("text", out.delta_text)]
-                )
-                if out.finished and parser is not None:
-                    pieces += parser.finish()
+                pieces = stream_pieces(parser, out.delta_text, out.finished)
                 for channel, text in pieces:
                     for e in emit(channel, text):
                         yield e
