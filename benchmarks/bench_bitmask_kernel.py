@@ -3,26 +3,33 @@
 One run checks ``atom.model_ops.triton_structured_output`` against the CPU reference (fp32/bf16/
 fp16; every vocabulary, batch, allowed share, with and without a row-index tensor; logits poisoned
 with fresh random values before each run and every element compared), then times every
-implementation with ``triton.testing.do_bench_cudagraph`` medians (graph replays: Python
-launch overhead is not measured) over rotating input buffers (so the L2 does not serve them),
-next to a floor: mask words read plus forbidden logits written, at the bandwidth of a measured
-device-to-device copy. Prints a table and writes
-``bitmask_kernel.json`` + ``bitmask_kernel.png`` under ``--out``.
+implementation over rotating input buffers (so the L2 does not serve them) next to a floor: mask
+words read plus forbidden logits written, at the bandwidth of a measured device-to-device copy.
+Prints a table and writes ``bitmask_kernel.json`` + ``.png`` under ``--out``.
+
+Timing: ``--timing graph`` (default) captures 16 back-to-back calls in a CUDA graph and reports
+the median of 7 replays per call (device time; no host launch cost). ``--timing events`` uses
+``triton.testing.do_bench`` medians (the L2 flushed before each call; a host launch slower than
+the flush shows up) and writes ``bitmask_kernel_events.*``. ``host_us_per_call`` is each
+library's host cost per launch (back-to-back calls on a tiny problem, no synchronization).
 
 Row-index case: half of the rows are masked. Our kernel takes a compact mask (one row per
 target row) plus the row tensor; XGrammar takes the full mask and ``indices``.
 
-Usage (GPU; XGrammar/llguidance as wheels when the machine has no registry):
-    python benchmarks/bench_bitmask_kernel.py [--quick] [--sweep] [--out benchmarks/results]
-The committed results were made with ``--timing events --no-llguidance --other-dtype-vocabs
-129280`` (``triton.testing.do_bench``: L2 flushed before each call, host launch cost included,
-so points under ~30 µs measure each library's launch path, not its kernel); ``--timing graph``
-(the default) replays CUDA graphs instead. References per point at batch >= 512: ``ref_fill``
-(write -inf to every element), ``ref_rmw`` (read and write every element), ``ref_mask_read``;
-``sector_floor`` is the DRAM-sector floor (see ``sector_floor_bytes``).
+References per point at batch >= 512: ``ref_fill`` (write -inf to every element), ``ref_rmw``
+(read and write every element), ``ref_mask_read``, ``ref_partial`` (one element written per
+32-byte sector: it costs what ``ref_rmw`` costs, so a partial-sector write costs a DRAM read);
+``sector_floor`` is the floor at that sector granularity (see ``sector_floor_bytes``).
+
+Usage (GPU; XGrammar/llguidance as wheels when the machine has no registry); the committed
+results were made with the first two lines, the sweep with the third:
+    python benchmarks/bench_bitmask_kernel.py --no-llguidance --other-dtype-vocabs 129280
+    python benchmarks/bench_bitmask_kernel.py --quick --vocabs 129280 --no-check --no-llguidance --timing events
+    python benchmarks/bench_bitmask_kernel.py --sweep-only --no-llguidance
 
 Sanitizer run of the ``atom.structured_output.utils`` GPU path (pinned host rows, non-blocking
-H2D copies, events guarding host and device reuse, a change of stream, token D2H snapshots):
+H2D copies, events guarding host and device reuse, a change of stream, token D2H snapshots) and
+every kernel path:
     compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/bench_bitmask_kernel.py --sanitize
     compute-sanitizer --tool racecheck --error-exitcode 1 python benchmarks/bench_bitmask_kernel.py --sanitize
 """
@@ -42,6 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from atom.model_ops.triton_structured_output import (  # noqa: E402
+    KernelConfig,
     apply_token_bitmask_inplace_reference,
     apply_token_bitmask_inplace_triton,
     kernel_config,
@@ -160,6 +168,11 @@ REFERENCES: dict[str, Callable] = {
     "ref_fill": lambda lg, full, compact, rl, rt: lg.fill_(float("-inf")),
     "ref_rmw": lambda lg, full, compact, rl, rt: lg.mul_(1.0),
     "ref_mask_read": lambda lg, full, compact, rl, rt: full.amax(),
+    # One element written in every 32-byte sector and nothing else: whether a partial-sector
+    # write costs a DRAM read (then this takes about ref_rmw) or not (about ref_fill or less).
+    "ref_partial": lambda lg, full, compact, rl, rt: lg.view(-1)[:: 32 // lg.element_size()].fill_(
+        float("-inf")
+    ),
 }
 
 
@@ -175,9 +188,38 @@ def sector_floor_bytes(n: int, vocab: int, share: float, elem: int) -> float:
     return n * words * 4 + n * vocab * elem * (p_empty + 2 * p_mixed)
 
 
+def time_graph(fn: Callable, sets: list[tuple], rows_l, rows_t) -> float:
+    """Median µs per call of device time: a CUDA graph of back-to-back calls cycling through
+    the rotating sets (no host launch cost), replayed several times and timed with events."""
+    calls = len(sets) * -(-16 // len(sets))
+
+    def body() -> None:
+        for j in range(calls):
+            lg, full, compact = sets[j % len(sets)]
+            fn(lg, full, compact, rows_l, rows_t)
+
+    body()  # compile and allocate outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    graph.replay()
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
 def time_point(fn: Callable, sets: list[tuple], rows_l, rows_t) -> float:
-    """Median µs per call: CUDA-graph replays (no launch overhead), events as a fallback."""
-    from triton.testing import do_bench, do_bench_cudagraph
+    """Median µs per call: graph replays (device time), or ``do_bench`` with ``--timing events``
+    (the L2 flushed before each call; a host launch slower than that flush shows up)."""
+    from triton.testing import do_bench
 
     state = {"i": 0}
 
@@ -189,16 +231,39 @@ def time_point(fn: Callable, sets: list[tuple], rows_l, rows_t) -> float:
     if TIMING["events"]:
         return do_bench(run, warmup=10, rep=40, return_mode="median") * 1e3
     try:
-        return do_bench_cudagraph(run, rep=5, return_mode="median") * 1e3
-    except Exception:  # noqa: BLE001 - e.g. a peer that cannot be captured
+        return time_graph(fn, sets, rows_l, rows_t)
+    except Exception as e:  # noqa: BLE001 - e.g. a peer that cannot be captured
+        print(f"graph timing failed ({type(e).__name__}: {e}); events instead")
         torch.cuda.synchronize()
         return do_bench(run, warmup=5, rep=25, return_mode="median") * 1e3
+
+
+def host_cost(impls: dict[str, Callable], calls: int = 400) -> dict[str, float]:
+    """Host µs per call of each implementation: back-to-back calls on one small problem
+    (batch 1, 129,280 tokens, 99.9% allowed: a few µs of GPU work) with no synchronization, so
+    the wall time per call is what the host spends launching it."""
+    vocab = 129280
+    mask = random_bitmask(1, vocab, 0.999, "cuda")
+    logits = torch.randn(1, vocab, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for name, fn in impls.items():
+        if name in ("torch", "llguidance"):
+            continue
+        for _ in range(20):
+            fn(logits, mask, mask, None, None)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn(logits, mask, mask, None, None)
+        out[name] = (time.perf_counter() - t) / calls * 1e6
+        torch.cuda.synchronize()
+    return out
 
 
 def bench(args, bandwidth: float) -> list[dict]:
     impls = implementations(args)
     results = []
-    points = itertools.product(args.dtypes, VOCABS, args.batches, SHARES, (False, True))
+    points = itertools.product(args.dtypes, args.vocabs, args.batches, SHARES, (False, True))
     for dname, vocab, batch, share, with_rows in points:
         if dname != "bf16" and args.other_dtype_vocabs and vocab not in args.other_dtype_vocabs:
             continue
@@ -224,6 +289,7 @@ def bench(args, bandwidth: float) -> list[dict]:
             "row_indices": with_rows,
             "floor_us": floor_bytes / bandwidth * 1e6,
             "sector_floor_us": sector_floor_bytes(n, vocab, share, elem) / bandwidth * 1e6,
+            "atom_config": list(kernel_config(n, words, elem)),
         }
         if batch >= 512 and not with_rows:
             for name, fn in REFERENCES.items():
@@ -245,15 +311,32 @@ def bench(args, bandwidth: float) -> list[dict]:
     return results
 
 
-SWEEP_CONFIGS = [
-    (32, 1, 4, 0),
-    (64, 1, 4, 0),
-    (64, 1, 4, 1),
-    (128, 1, 4, 0),
-    (128, 1, 4, 1),
-    (256, 1, 4, 1),
-    (256, 4, 4, 1),
-]
+_K = KernelConfig  # (block_w, sub, tiles, warps, wide, sparse_k, eager, max_regs)
+SWEEP_CONFIGS = {  # per logits element size; earlier runs' lists are in bitmask_kernel_sweep.json
+    2: [
+        _K(128, 1, 1, 4, True, 0),  # dense only
+        _K(64, 2, 1, 4, True, 3),  # the default from batch 64 at 129,280 tokens
+        _K(64, 2, 1, 4, True, 3, max_regs=56),
+        _K(64, 4, 1, 4, True, 3, max_regs=56),
+        _K(128, 4, 1, 4, True, 3),
+        _K(128, 8, 1, 4, True, 3),
+        _K(32, 4, 1, 1, True, 3),
+        _K(64, 2, 1, 2, True, 3),
+        _K(32, 2, 1, 2, True, 3),
+        _K(64, 1, 1, 4, True, 0, True),  # the small-batch default
+        _K(32, 1, 1, 1, True, 0, True),
+    ],
+    4: [
+        _K(64, 1, 1, 4, False, 0),  # dense only
+        _K(32, 1, 1, 4, False, 0),  # the small-batch default
+        _K(32, 2, 1, 4, False, 3, max_regs=56),
+        _K(32, 4, 1, 4, False, 3, max_regs=56),  # the default from batch 64
+        _K(32, 4, 1, 2, False, 3),
+        _K(16, 8, 1, 1, False, 3),
+        _K(64, 4, 1, 4, False, 3, max_regs=56),
+        _K(32, 1, 1, 4, False, 0, True),
+    ],
+}
 
 
 def sweep(args, bandwidth: float) -> list[dict]:
@@ -263,8 +346,8 @@ def sweep(args, bandwidth: float) -> list[dict]:
     words = (vocab + 31) // 32
     impls = implementations(args)
     out = []
-    points = [("bf16", b, p) for b in (8, 512, 4096) for p in SHARES]
-    points += [("fp32", b, p) for b in (4096,) for p in SHARES]
+    points = [("bf16", b, p) for b in (8, 64, 512, 4096) for p in (*SHARES, 0.99)]
+    points += [("fp32", b, p) for b in (8, 64, 4096) for p in (*SHARES, 0.99)]
     for dname, batch, share in points:
         dtype = DTYPES[dname]
         elem = torch.finfo(dtype).bits // 8
@@ -287,12 +370,12 @@ def sweep(args, bandwidth: float) -> list[dict]:
             for name, fn in REFERENCES.items():
                 rec[name + "_us"] = time_point(fn, sets, None, None)
         rec["configs"] = {}
-        for config in SWEEP_CONFIGS:
+        for config in SWEEP_CONFIGS[elem]:
             fn = lambda lg, m, _c, _rl, _rt, config=config: apply_token_bitmask_inplace_triton(  # noqa: E731
                 lg, m, config=config
             )
-            rec["configs"][str(config)] = time_point(fn, sets, None, None)
-        default = kernel_config(batch, words, elem)
+            rec["configs"][str(tuple(config))] = time_point(fn, sets, None, None)
+        default = tuple(kernel_config(batch, words, elem))
         rec["default_config"] = str(default)
         rec["default_us"] = time_point(
             lambda lg, m, _c, _rl, _rt: apply_token_bitmask_inplace_triton(lg, m), sets, None, None
@@ -315,19 +398,20 @@ def sweep(args, bandwidth: float) -> list[dict]:
 
 
 def sanitize() -> None:
-    """Exercise the utils.py GPU path (for compute-sanitizer): growth, rows, stream change."""
+    """Exercise the utils.py GPU path (for compute-sanitizer): growth, rows, stream change, and
+    every kernel path (eager, dense, sparse; packed and per-element selects)."""
     from atom.structured_output.utils import MaskBuffers, TokenSnapshot
 
     vocab = 129280
     bufs = MaskBuffers(vocab, "cuda")
     side = torch.cuda.Stream()
-    for step in range(12):
-        n = [1, 3, 9, 2, 17, 5][step % 6]
+    for step in range(18):
+        n = [1, 3, 9, 2, 40, 33][step % 6]  # 33 rows at 99.9% allowed: the sparse path
         batch = n + 2
         rows = bufs.host_rows(n)
-        src = random_bitmask(n, vocab, 0.5, "cpu")
+        src = random_bitmask(n, vocab, (0.5, 0.999)[step % 2], "cpu")
         rows.copy_(src)
-        dtype = (torch.float32, torch.bfloat16, torch.float16)[step % 3]  # each kernel path
+        dtype = (torch.float32, torch.bfloat16, torch.float16)[step // 6]
         logits = torch.randn(batch, vocab, device="cuda").to(dtype)
         want = logits.cpu()
         targets = list(range(batch - n, batch))
@@ -360,6 +444,9 @@ def plot(results: list[dict], path: Path) -> None:
             (r for r in recs if r["allowed"] == share and r["vocab"] == vocab),
             key=lambda r: r["batch"],
         )
+        if not pts:
+            ax.axis("off")
+            continue
         xs = [r["batch"] for r in pts]
         for name in names:
             ax.plot(xs, [r.get(name + "_us") or float("nan") for r in pts], marker="o", label=name)
@@ -382,7 +469,7 @@ def print_table(results: list[dict]) -> None:
     print(
         f"{'dtype':5} {'vocab':>6} {'B':>5} {'allow':>5} idx {'floor':>7} {'sector':>7} "
         + " ".join(f"{n:>10}" for n in names)
-        + "  atom/floor"
+        + "  atom/floor atom/sector"
     )
     for r in results:
         cells = " ".join(
@@ -392,7 +479,7 @@ def print_table(results: list[dict]) -> None:
             f"{r['dtype']:5} {r['vocab']:6} {r['batch']:5} {r['allowed']:5} "
             f"{'y' if r['row_indices'] else 'n':>3} {r['floor_us']:7.1f} "
             f"{r['sector_floor_us']:7.1f} {cells}"
-            f"  {r['atom_us'] / r['floor_us']:6.2f}"
+            f"  {r['atom_us'] / r['floor_us']:6.2f} {r['atom_us'] / r['sector_floor_us']:6.2f}"
         )
 
 
@@ -427,6 +514,7 @@ def main() -> None:
     ap.add_argument("--cpu-ref-max-batch", type=int, default=512)
     ap.add_argument("--sweep-only", action="store_true", help="check nothing, time the sweep")
     ap.add_argument("--timing", choices=["graph", "events"], default="graph")
+    ap.add_argument("--vocabs", type=int, nargs="*", default=VOCABS, help="vocabularies to time")
     ap.add_argument(
         "--other-dtype-vocabs",
         type=int,
@@ -458,8 +546,11 @@ def main() -> None:
             json.dumps({"device": torch.cuda.get_device_name(), "sweep": sweep_rows}, indent=1)
         )
         return
+    hosts = host_cost(implementations(args))
+    print("host µs per call: " + " ".join(f"{k}={v:.1f}" for k, v in hosts.items()))
     results = bench(args, bandwidth)
     report = {
+        "host_us_per_call": hosts,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "copy_bandwidth_Bps": bandwidth,
@@ -469,8 +560,9 @@ def main() -> None:
         "sweep": sweep_rows,
         "goal_misses": goals(results),
     }
-    (args.out / "bitmask_kernel.json").write_text(json.dumps(report, indent=1))
-    plot(results, args.out / "bitmask_kernel.png")
+    stem = "bitmask_kernel" + ("_events" if TIMING["events"] else "")
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    plot(results, args.out / f"{stem}.png")
     print_table(results)
     print(f"goal misses: {len(report['goal_misses'])}")
     for m in report["goal_misses"]:

@@ -58,6 +58,14 @@ CHECK = textwrap.dedent(
     )
     device = "{device}"
     g = torch.Generator().manual_seed(0)
+    # (words per sub-tile, sub-tiles, tiles, warps, wide, sparse_k, eager, max_regs): dense only, sparse
+    # with one to three tokens per word, several sub-tiles and tiles per program, both mask
+    # loads, logits loaded after or beside the mask.
+    configs = [
+        None, (8, 1, 1, 2, False, 0), (32, 1, 4, 4, False, 0), (4, 2, 3, 1, True, 1),
+        (16, 2, 3, 2, True, 3), (8, 4, 2, 2, False, 2), (16, 1, 2, 2, True, 0, True),
+        (8, 2, 1, 2, False, 2, True, 56),
+    ]
     cases = 0
     for vocab, words in ((1, 1), (33, 2), (257, 9), (1000, 30), (4099, 129), (8200, 257)):
         for rows in (None, [3, 0], [5]):
@@ -66,13 +74,14 @@ CHECK = textwrap.dedent(
                 bits = torch.rand(6, 32 * words, generator=g) < share
                 bits[0, : 32 * min(20, words)] = True  # uniform steps: all-ones, all-zero
                 bits[1, : 32 * min(20, words)] = False
+                bits[2:4] = torch.rand(2, 32 * words, generator=g) < 0.999  # sparse tiles
+                bits[3, 70:75] = False  # one word over every sparse_k: that tile goes dense
                 mask = (bits.view(6, words, 32).long() << torch.arange(32)).sum(-1).int()
                 logits = (torch.randn(6, vocab, generator=g) + 3).to(dtype)
                 want = logits.clone()
                 idx = None if rows is None else torch.tensor(rows, dtype=torch.int32)
                 ref(want, mask, idx)
-                configs = [None, (8, 1, 2), (32, 4, 4), (4, 3, 1), (16, 3, 2, 1)] if vocab == 4099 else [None]
-                for config in configs:
+                for config in configs if vocab in (4099, 8200) else [None]:
                     got = logits.to(device)
                     kernel(got, mask.to(device), None if idx is None else idx.to(device),
                            config=config)
@@ -94,7 +103,7 @@ def test_kernel_matches_reference_interpreted() -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "cases 90" in result.stdout
+    assert "cases 180" in result.stdout
 
 
 @pytest.mark.gpu
