@@ -96,7 +96,9 @@ class KernelConfig(NamedTuple):
     """Launch shape. A program masks ``tiles`` consecutive tiles of ``block_w * sub`` mask words
     of one row; ``sparse_k`` > 0 lets a tile whose words each forbid at most that many tokens
     take the sparse path (one scattered store per forbidden token instead of a pass over every
-    16-byte logits vector); ``wide`` loads each dense sub-tile's words with one contiguous load."""
+    16-byte logits vector); ``wide`` loads each dense sub-tile's words with one contiguous load;
+    ``eager`` loads logits beside the mask instead of after it (shorter latency, more bytes read);
+    ``max_regs`` caps registers per thread (0: the compiler's choice)."""
 
     block_w: int
     sub: int = 1
