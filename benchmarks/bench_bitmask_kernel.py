@@ -13,6 +13,10 @@ the median of 7 replays per call (device time; no host launch cost). ``--timing 
 the flush shows up) and writes ``bitmask_kernel_events.*``. ``host_us_per_call`` is each
 library's host cost per launch (back-to-back calls on a tiny problem, no synchronization).
 
+Implementations are timed in ``--rounds`` interleaved rounds per point, each round starting
+with the next implementation, and the median is reported (the rounds are kept in the JSON), so
+neither the order nor what ran just before favours one of them.
+
 Row-index case: half of the rows are masked. Our kernel takes a compact mask (one row per
 target row) plus the row tensor; XGrammar takes the full mask and ``indices``.
 
@@ -39,6 +43,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -294,16 +299,26 @@ def bench(args, bandwidth: float) -> list[dict]:
         if batch >= 512 and not with_rows:
             for name, fn in REFERENCES.items():
                 rec[name + "_us"] = time_point(fn, sets, None, None)
-        for name, fn in impls.items():
-            if with_rows and name in ("llguidance", "torch"):
-                continue
-            if name == "llguidance" and (dname, vocab) not in LLG_POINTS:
-                continue  # its torch.compile path recompiles per shape: headline points only
-            try:
-                rec[name + "_us"] = time_point(fn, sets, rows_l, rows_t)
-            except Exception as e:  # noqa: BLE001 - one failing peer must not stop the table
-                rec[name + "_us"] = None
-                print(f"{name} failed at {dname} V={vocab} B={batch}: {type(e).__name__}: {e}")
+        names = [
+            name
+            for name in impls
+            if not (with_rows and name in ("llguidance", "torch"))
+            # llguidance's torch.compile path recompiles per shape: headline points only
+            and not (name == "llguidance" and (dname, vocab) not in LLG_POINTS)
+        ]
+        rounds: dict[str, list[float] | None] = {name: [] for name in names}
+        for r in range(args.rounds):  # each round starts one later: no one is always first
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                if rounds[name] is None:
+                    continue
+                try:
+                    rounds[name].append(time_point(impls[name], sets, rows_l, rows_t))
+                except Exception as e:  # noqa: BLE001 - one failing peer must not stop the table
+                    rounds[name] = None
+                    print(f"{name} failed at {dname} V={vocab} B={batch}: {type(e).__name__}: {e}")
+        for name, times in rounds.items():
+            rec[name + "_us"] = statistics.median(times) if times else None
+            rec[name + "_rounds"] = times  # µs per round
         results.append(rec)
         del sets
         if len(results) % 12 == 0:  # partial results survive a time limit
@@ -514,6 +529,9 @@ def main() -> None:
     ap.add_argument("--cpu-ref-max-batch", type=int, default=512)
     ap.add_argument("--sweep-only", action="store_true", help="check nothing, time the sweep")
     ap.add_argument("--timing", choices=["graph", "events"], default="graph")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="timings per implementation and point (median)"
+    )
     ap.add_argument("--vocabs", type=int, nargs="*", default=VOCABS, help="vocabularies to time")
     ap.add_argument(
         "--other-dtype-vocabs",

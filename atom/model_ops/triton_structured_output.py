@@ -116,15 +116,15 @@ _SMALL_BYTES = 9 << 19
 
 def kernel_config(n_rows: int, n_words: int, elem_size: int = 2) -> KernelConfig:
     """The configuration for a launch, from the H200 sweeps in
-    ``benchmarks/bench_bitmask_kernel.py --sweep`` (no run-time autotuning). Small launches:
-    16-bit logits load eagerly, fp32 ones take plain dense 32-word tiles. Larger ones check
+    ``benchmarks/bench_bitmask_kernel.py --sweep`` (no run-time autotuning). Small launches
+    load logits eagerly in dense tiles of 64 (16-bit) or 32 (fp32) words. Larger ones check
     128-word tiles for the sparse path (16-bit: two 64-word dense sub-tiles; fp32: four 32-word
     ones). The tile shrinks while the grid would leave SMs idle: first fewer tiles per program,
     then fewer sub-tiles, then narrower sub-tiles."""
     wide = elem_size <= 2
     small = n_rows * n_words * 32 * elem_size <= _SMALL_BYTES
     if small:
-        cfg = KernelConfig(64, wide=True, eager=True) if wide else KernelConfig(32)
+        cfg = KernelConfig(64 if wide else 32, wide=wide, eager=True)
     elif wide:
         cfg = KernelConfig(64, sub=2, wide=True, sparse_k=3)
     else:
@@ -242,7 +242,7 @@ if triton is not None:
         logits_stride,
         bitmask_stride,
         lut_ptr,
-        progs_per_row,
+        PROGS_PER_ROW: tl.constexpr,
         HAS_ROWS: tl.constexpr,
         BLOCK_W: tl.constexpr,
         SUB: tl.constexpr,
@@ -259,9 +259,11 @@ if triton is not None:
         # With SPARSE_K, each tile first checks (one reduction) whether every word forbids at
         # most SPARSE_K tokens; such a tile is cleared token by token, any other one vector by
         # vector, in SUB dense sub-tiles of BLOCK_W words (the same registers as one).
+        # PROGS_PER_ROW is a constant so that this division is a multiply, not ~30 instructions
+        # (a large share of a sparse tile's work).
         pid = tl.program_id(0)
-        i = pid // progs_per_row
-        t0 = (pid % progs_per_row) * TILES
+        i = pid // PROGS_PER_ROW
+        t0 = (pid % PROGS_PER_ROW) * TILES
         if HAS_ROWS:
             row = tl.load(rows_ptr + i).to(tl.int64)
         else:
@@ -402,7 +404,7 @@ def _first_launch(
     per_lane = 4 // elem if packed else 1  # logits elements per int32 lane
     lut = _lut(logits.device, elem) if packed else None  # unused otherwise: any pointer
     head = (vocab // per_lane, bitmask.shape[1], logits.stride(0) // per_lane, bitmask.stride(0))
-    consts = (  # progs_per_row, then the constexprs in signature order
+    consts = (  # the constexprs in signature order
         progs_per_row,
         row_indices is not None,
         cfg.block_w,
