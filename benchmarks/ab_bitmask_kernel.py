@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from atom.model_ops import triton_structured_output  # noqa: E402
-from benchmarks.bench_bitmask_kernel import DTYPES, L2_BYTES, random_bitmask, time_graph  # noqa: E402
+from benchmarks.bench_bitmask_kernel import DTYPES, rotating_sets, time_rounds  # noqa: E402
 
 POINTS = [
     ("bf16", 129280, b, p, r) for b in (512, 4096) for p in (0.01, 0.5, 0.999) for r in (0, 1)
@@ -65,19 +65,11 @@ def main() -> None:
     names = list(impls)
     for dname, vocab, batch, share, with_rows in POINTS:
         rows_l = list(range(0, batch, 2)) if with_rows else None
-        elem = torch.finfo(DTYPES[dname]).bits // 8
-        copies = max(1, min(8, -(-4 * L2_BYTES // (batch * vocab * elem))))
-        sets = []
-        for _ in range(copies):
-            full = random_bitmask(batch, vocab, share, "cuda")
-            compact = full[rows_l].contiguous() if with_rows else full
-            sets.append((torch.randn(batch, vocab, device="cuda").to(DTYPES[dname]), full, compact))
+        sets = rotating_sets(DTYPES[dname], vocab, batch, share, rows_l)
         rows_t = torch.tensor(rows_l, dtype=torch.int32, device="cuda") if with_rows else None
-        times: dict[str, list[float]] = {name: [] for name in names}
-        for r in range(args.rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                times[name].append(time_graph(impls[name], sets, rows_l, rows_t))
-        med = {name: statistics.median(t) for name, t in times.items()}
+        tag = f"{dname} V={vocab} B={batch}"
+        times = time_rounds(impls, sets, rows_l, rows_t, args.rounds, tag)
+        med = {name: statistics.median(t) if t else float("nan") for name, t in times.items()}
         print(
             f"{dname} V={vocab} B={batch} p={share} rows={'y' if with_rows else 'n'} "
             + " ".join(f"{name}={med[name]:.1f}" for name in names)

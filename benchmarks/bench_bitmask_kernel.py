@@ -257,6 +257,41 @@ def time_point(fn: Callable, sets: list[tuple], rows_l, rows_t) -> float:
         return do_bench(run, warmup=5, rep=25, return_mode="median") * 1e3
 
 
+def rotating_sets(
+    dtype: torch.dtype, vocab: int, batch: int, share: float, rows_l: list[int] | None = None
+) -> list[tuple]:
+    """(logits, full mask, compact mask) copies, enough of them that cycling through them keeps
+    the L2 from serving a call's inputs out of the previous call; the compact mask holds the
+    ``rows_l`` rows (the full one when there are no row indices)."""
+    elem = torch.finfo(dtype).bits // 8
+    one = batch * vocab * elem + 2 * batch * ((vocab + 31) // 32) * 4
+    sets = []
+    for _ in range(max(1, min(8, -(-4 * L2_BYTES // one)))):
+        full = random_bitmask(batch, vocab, share, "cuda")
+        compact = full[rows_l].contiguous() if rows_l is not None else full
+        sets.append((torch.randn(batch, vocab, device="cuda").to(dtype), full, compact))
+    return sets
+
+
+def time_rounds(
+    impls: dict[str, Callable], sets: list[tuple], rows_l, rows_t, rounds: int, tag: str
+) -> dict[str, list[float] | None]:
+    """µs per call of each implementation in ``rounds`` interleaved rounds, each round starting
+    one implementation later so that none is always timed first; None for one that failed."""
+    names = list(impls)
+    times: dict[str, list[float] | None] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            if times[name] is None:
+                continue
+            try:
+                times[name].append(time_point(impls[name], sets, rows_l, rows_t))
+            except Exception as e:  # noqa: BLE001 - one failing peer must not stop the table
+                times[name] = None
+                print(f"{name} failed at {tag}: {type(e).__name__}: {e}")
+    return times
+
+
 def host_cost(impls: dict[str, Callable], calls: int = 400) -> dict[str, float]:
     """Host µs per call of each implementation: back-to-back calls on one small problem
     (batch 1, 129,280 tokens, 99.9% allowed: a few µs of GPU work) with no synchronization, so
@@ -291,13 +326,7 @@ def bench(args, bandwidth: float) -> list[dict]:
         rows_l = list(range(0, batch, 2)) if with_rows else None
         n = len(rows_l) if with_rows else batch
         words = (vocab + 31) // 32
-        one = batch * vocab * elem + 2 * batch * words * 4
-        copies = max(1, min(8, -(-4 * L2_BYTES // one)))
-        sets = []
-        for _ in range(copies):
-            full = random_bitmask(batch, vocab, share, "cuda")
-            compact = full[rows_l].contiguous() if with_rows else full
-            sets.append((torch.randn(batch, vocab, device="cuda").to(dtype), full, compact))
+        sets = rotating_sets(dtype, vocab, batch, share, rows_l)
         rows_t = torch.tensor(rows_l, dtype=torch.int32, device="cuda") if with_rows else None
         floor_bytes = n * words * 4 + n * vocab * (1 - share) * elem
         rec = {
@@ -320,16 +349,10 @@ def bench(args, bandwidth: float) -> list[dict]:
             # llguidance's torch.compile path recompiles per shape: headline points only
             and not (name == "llguidance" and (dname, vocab) not in LLG_POINTS)
         ]
-        rounds: dict[str, list[float] | None] = {name: [] for name in names}
-        for r in range(args.rounds):  # each round starts one later: no one is always first
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                if rounds[name] is None:
-                    continue
-                try:
-                    rounds[name].append(time_point(impls[name], sets, rows_l, rows_t))
-                except Exception as e:  # noqa: BLE001 - one failing peer must not stop the table
-                    rounds[name] = None
-                    print(f"{name} failed at {dname} V={vocab} B={batch}: {type(e).__name__}: {e}")
+        tag = f"{dname} V={vocab} B={batch}"
+        rounds = time_rounds(
+            {name: impls[name] for name in names}, sets, rows_l, rows_t, args.rounds, tag
+        )
         for name, times in rounds.items():
             rec[name + "_us"] = statistics.median(times) if times else None
             rec[name + "_rounds"] = times  # µs per round
@@ -380,11 +403,7 @@ def sweep(args, bandwidth: float) -> list[dict]:
     for dname, batch, share in points:
         dtype = DTYPES[dname]
         elem = torch.finfo(dtype).bits // 8
-        copies = max(1, min(8, -(-4 * L2_BYTES // (batch * vocab * elem))))
-        sets = []
-        for _ in range(copies):
-            m = random_bitmask(batch, vocab, share, "cuda")
-            sets.append((torch.randn(batch, vocab, device="cuda").to(dtype), m, m))
+        sets = rotating_sets(dtype, vocab, batch, share)
         rec = {
             "dtype": dname,
             "batch": batch,

@@ -25,26 +25,39 @@ def smollm2_dir() -> Path:
     return resolve_model(EngineConfig())
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
-    """A 2-layer random-weight Llama with the SmolLM2 tokenizer (fixed seed)."""
+def _save_tiny_llama(folder: Path, vocab_size: int, max_positions: int, bos: int, eos: int) -> None:
+    """A 2-layer random-weight Llama checkpoint (fixed seed) into ``folder``, without tokenizer."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
     config = LlamaConfig(
-        vocab_size=49152,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=2048,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
+        bos_token_id=bos,
+        eos_token_id=eos,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+
+
+@pytest.fixture(scope="session")
+def save_tiny_llama():
+    """``save(folder, vocab_size, max_positions, bos, eos)``: a tiny random-weight checkpoint."""
+    return _save_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
+    """A 2-layer random-weight Llama with the SmolLM2 tokenizer (fixed seed)."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    _save_tiny_llama(folder, vocab_size=49152, max_positions=2048, bos=1, eos=2)
     AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(folder)
     return folder

