@@ -25,18 +25,21 @@ import hashlib
 import itertools
 import json
 import math
-import threading
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from atom.structured_output.json_validator import IN_PLACE, make_registry, re2_validator
+from atom.structured_output.regex import (
+    RegexError,
+    compile_re2,
+    not_string_regex,
+    not_string_regex_len,
+)
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
 MAX_DEPTH = 128
 MAX_REF_DEPTH = 64
-MAX_PATTERN_CHARS = 262_144
-RE2_MAX_MEM = 2 << 20
-RE2_CACHE_SIZE = 32
 MAX_NEGATED_LITERAL = 256
 BUDGET_ENTRIES = 256
 BUDGET_EVALUATIONS = 4_096
@@ -56,9 +59,6 @@ _NON_NEG_INT = frozenset(
 )
 _NUMBERS = frozenset("minimum maximum exclusiveMinimum exclusiveMaximum".split())
 _PASS_THROUGH = _NON_NEG_INT - {"minContains", "maxContains"} | _NUMBERS | {"const", "enum"}
-_IN_PLACE = frozenset(
-    "allOf anyOf oneOf not if then else dependentSchemas $ref $dynamicRef".split()
-)
 # Subschema positions, as ``referencing`` crawls them.
 _IN_VALUE = frozenset(
     "additionalProperties contains contentSchema else if items not propertyNames then "
@@ -102,160 +102,12 @@ def _child(pointer: str, *tokens: str | int) -> str:
     return pointer + "".join("/" + _escape(str(t)) for t in tokens)
 
 
-# ---------------------------------------------------------------------------------------------
-# RE2
-
-
-_re2_cache: OrderedDict[str, Any] = OrderedDict()
-_re2_lock = threading.Lock()
-
-
-def _ecma_to_re2(pattern: str) -> str:
-    r"""Translate ECMA-262 ``\uXXXX`` escapes (absent from RE2) into ``\x{XXXX}``."""
-    out: list[str] = []
-    i = 0
-    while i < len(pattern):
-        ch = pattern[i]
-        if ch == "\\" and i + 1 < len(pattern):
-            nxt = pattern[i + 1]
-            hexa = pattern[i + 2 : i + 6]
-            if nxt == "u" and len(hexa) == 4 and all(c in "0123456789abcdefABCDEF" for c in hexa):
-                out.append("\\x{" + hexa + "}")
-                i += 6
-                continue
-            out.append(ch + nxt)
-            i += 2
-            continue
-        out.append(ch)
-        i += 1
-    return "".join(out)
-
-
-def compile_re2(pattern: str, pointer: str) -> Any:
-    """Compile a schema regex with RE2 (never Python ``re``): bounded size, memory and cache."""
-    if not isinstance(pattern, str):
-        raise SchemaError("a regular expression must be a string", pointer)
-    if len(pattern) > MAX_PATTERN_CHARS:
-        raise SchemaError(f"regular expression longer than {MAX_PATTERN_CHARS} characters", pointer)
-    with _re2_lock:
-        hit = _re2_cache.get(pattern)
-        if hit is not None:
-            _re2_cache.move_to_end(pattern)
-            return hit
-    import re2
-
-    options = re2.Options()
-    options.max_mem = RE2_MAX_MEM
-    options.log_errors = False
+def _compile_pattern(pattern: object, pointer: str) -> None:
+    """RE2 must accept a schema regex before it is passed on."""
     try:
-        compiled = re2.compile(_ecma_to_re2(pattern), options)
-    except Exception as exc:  # re2.error, and anything odd the binding raises
-        detail = exc.args[0] if exc.args else exc
-        if isinstance(detail, bytes):
-            detail = detail.decode("utf-8", "replace")
-        raise SchemaError(f"unsupported regular expression (RE2): {detail}", pointer) from None
-    with _re2_lock:
-        _re2_cache[pattern] = compiled
-        _re2_cache.move_to_end(pattern)
-        while len(_re2_cache) > RE2_CACHE_SIZE:
-            _re2_cache.popitem(last=False)
-    return compiled
-
-
-def re2_search(pattern: str, text: str) -> bool:
-    """ECMA-262 semantics: an unanchored search."""
-    return compile_re2(pattern, "").search(text) is not None
-
-
-# ---------------------------------------------------------------------------------------------
-# Offline references and the RE2 validator
-
-
-def _refuse(uri: str) -> Any:
-    """Retrieval hook for every registry: nothing is ever fetched."""
-    from referencing.exceptions import NoSuchResource
-
-    raise NoSuchResource(ref=uri)
-
-
-def make_registry(schema: object) -> tuple[Any, str]:
-    """A registry holding only ``schema`` (and its embedded resources); retrieval refuses."""
-    from referencing import Registry
-    from referencing.jsonschema import DRAFT202012
-
-    base = schema.get("$id", "") if isinstance(schema, dict) else ""
-    if not isinstance(base, str):
-        raise SchemaError("$id must be a string", "/$id")
-    resource = DRAFT202012.create_resource(schema)
-    registry = Registry(retrieve=_refuse).with_resource(base, resource).crawl()
-    return registry, base
-
-
-def _re2_keywords() -> dict[str, Callable[..., Iterator[Any]]]:
-    """Draft 2020-12 keywords that evaluate regexes, reimplemented over RE2."""
-    from jsonschema import ValidationError, _keywords
-
-    def pattern(validator: Any, patrn: str, instance: Any, schema: dict) -> Iterator[Any]:
-        if validator.is_type(instance, "string") and not re2_search(patrn, instance):
-            yield ValidationError(f"{instance!r} does not match {patrn!r}")
-
-    def pattern_properties(validator: Any, pp: dict, instance: Any, schema: dict) -> Iterator:
-        if not validator.is_type(instance, "object"):
-            return
-        for patrn, subschema in pp.items():
-            for key, value in instance.items():
-                if re2_search(patrn, key):
-                    yield from validator.descend(value, subschema, path=key, schema_path=patrn)
-
-    def _additional(schema: dict, instance: dict) -> list[str]:
-        props = schema.get("properties", {})
-        pats = list(schema.get("patternProperties", {}))
-        return [k for k in instance if k not in props and not any(re2_search(p, k) for p in pats)]
-
-    def additional_properties(validator: Any, ap: Any, instance: Any, schema: dict) -> Iterator:
-        if not validator.is_type(instance, "object"):
-            return
-        extras = _additional(schema, instance)
-        if validator.is_type(ap, "object"):
-            for extra in extras:
-                yield from validator.descend(instance[extra], ap, path=extra)
-        elif not ap and extras:
-            yield ValidationError(f"additional properties are not allowed: {sorted(extras)!r}")
-
-    def unevaluated_properties(validator: Any, up: Any, instance: Any, schema: dict) -> Iterator:
-        trivial = up is True or up == {} or "additionalProperties" in schema
-        if trivial or not validator.is_type(instance, "object"):
-            return
-        if _IN_PLACE & schema.keys():
-            # prepare_schema accepts only allOf/$ref members without patternProperties here,
-            # so jsonschema's own evaluation runs no client regex.
-            yield from _keywords.unevaluatedProperties(validator, up, instance, schema)
-            return
-        for extra in _additional(schema, instance):
-            yield from validator.descend(instance[extra], up, path=extra)
-
-    return {
-        "pattern": pattern,
-        "patternProperties": pattern_properties,
-        "additionalProperties": additional_properties,
-        "unevaluatedProperties": unevaluated_properties,
-    }
-
-
-_validator_class: Any = None
-
-
-def re2_validator(schema: object) -> Any:
-    """Draft 2020-12 validator with format checking, RE2 regexes and a refusing registry."""
-    global _validator_class
-    from jsonschema import Draft202012Validator, FormatChecker, validators
-
-    if _validator_class is None:
-        _validator_class = validators.extend(Draft202012Validator, _re2_keywords())
-    # "regex" would compile client-controlled text with Python re.
-    formats = [f for f in Draft202012Validator.FORMAT_CHECKER.checkers if f != "regex"]
-    registry, _ = make_registry(schema)
-    return _validator_class(schema, registry=registry, format_checker=FormatChecker(formats))
+        compile_re2(pattern)
+    except RegexError as exc:
+        raise SchemaError(exc.message, pointer) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,24 +255,6 @@ def _json_type(value: Any) -> str:
     if isinstance(value, str):
         return "string"
     return "array" if isinstance(value, list) else "object"
-
-
-def _literal_class(ch: str) -> str:
-    return f"\\x{{{ord(ch):x}}}"
-
-
-def _not_string_regex_len(text: str) -> int:
-    """len(_not_string_regex(text)), known before building it."""
-    return 9 + sum(16 + 2 * len(_literal_class(ch)) for ch in text)
-
-
-def _not_string_regex(text: str) -> str:
-    """Anchored regex for every string except ``text`` (built from prefixes, no lookaround)."""
-    tail = "(?s:.)+"
-    for ch in reversed(text):
-        c = _literal_class(ch)
-        tail = f"(?:|[^{c}](?s:.)*|{c}{tail})"
-    return f"^{tail}$"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -699,8 +533,8 @@ class _Lowerer:
         self.budget.reserve(pointer, entries=count)
         regexes = []
         for text in strings:
-            self.budget.reserve(pointer, regex_chars=_not_string_regex_len(text))
-            regexes.append(_not_string_regex(text))
+            self.budget.reserve(pointer, regex_chars=not_string_regex_len(text))
+            regexes.append(not_string_regex(text))
         branches: list = []
         if rest:
             branches.append({"type": rest})
@@ -744,7 +578,7 @@ class _Lowerer:
             elif key in _PASS_THROUGH or key in ("type", "required", "multipleOf"):
                 out[key] = value
             elif key == "pattern":
-                compile_re2(value, at)
+                _compile_pattern(value, at)
                 out[key] = value
             elif key == "format":
                 if value in GRAMMAR_FORMATS:
@@ -761,7 +595,7 @@ class _Lowerer:
                 out[key] = {k: self.descend(s, _child(at, k), resolver) for k, s in value.items()}
             elif key == "patternProperties":
                 for pat in value:
-                    compile_re2(pat, _child(at, pat))
+                    _compile_pattern(pat, _child(at, pat))
                 out[key] = {k: self.descend(s, _child(at, k), resolver) for k, s in value.items()}
             elif key == "$ref":
                 out.update(self.ref(value, resolver, at))
@@ -971,7 +805,7 @@ class _Lowerer:
             lowered = self.descend(node[key], at, resolver)
             if lowered is True or local in node:
                 continue
-            if not _IN_PLACE.intersection(node) and not any(k in node for k in evaluated):
+            if not IN_PLACE.intersection(node) and not any(k in node for k in evaluated):
                 out[local] = lowered
                 continue
             if key == "unevaluatedItems":
@@ -1045,7 +879,7 @@ class _Lowerer:
         # patternProperties also applies to listed properties: only exact when they are free.
         if regex is None or (props and others is not True) or out.get("patternProperties"):
             raise SchemaError("propertyNames has no exact lowering here", at)
-        compile_re2(regex, at)
+        _compile_pattern(regex, at)
         self.budget.reserve(at, regex_chars=len(regex))
         out["properties"] = {
             k: (s if self.valid(names, k, at) else False) for k, s in props.items()
@@ -1205,6 +1039,8 @@ def prepare_schema(schema: object) -> PreparedSchema:
     _check_structure(schema)
     _check_shapes(schema)
     try:
+        if isinstance(schema, dict) and not isinstance(schema.get("$id", ""), str):
+            raise SchemaError("$id must be a string", "/$id")
         try:
             registry, base = make_registry(schema)
         except SchemaError:

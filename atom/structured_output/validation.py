@@ -14,13 +14,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from atom.structured_output.schema import (
-    PreparedSchema,
-    SchemaError,
-    canonical,
-    prepare_schema,
-    re2_validator,
-)
+from atom.structured_output.json_validator import re2_validator
+from atom.structured_output.schema import PreparedSchema, SchemaError, canonical, prepare_schema
 
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 _VALIDATOR_CACHE_SIZE = 32

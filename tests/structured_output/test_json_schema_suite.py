@@ -17,7 +17,8 @@ pytest.importorskip("llguidance")
 pytest.importorskip("re2")
 
 from atom.structured_output.backend_guidance import JSON_OPTIONS as COMPILE_OPTIONS  # noqa: E402
-from atom.structured_output.schema import SchemaError, prepare_schema, re2_validator  # noqa: E402
+from atom.structured_output.json_validator import re2_validator  # noqa: E402
+from atom.structured_output.schema import SchemaError, prepare_schema  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SUITE = ROOT.parent / "shared" / "data" / "json-schema-test-suite" / "draft2020-12"

@@ -12,14 +12,12 @@ pytest.importorskip("re2")
 
 from test_json_schema_suite import COMPILE_OPTIONS, byte_tokenizer  # noqa: E402
 
+from atom.structured_output import json_validator as V  # noqa: E402
+from atom.structured_output import regex as R  # noqa: E402
 from atom.structured_output import schema as S  # noqa: E402
-from atom.structured_output.schema import (  # noqa: E402
-    BudgetError,
-    SchemaError,
-    compile_re2,
-    prepare_schema,
-    re2_validator,
-)
+from atom.structured_output.json_validator import re2_validator  # noqa: E402
+from atom.structured_output.regex import compile_re2  # noqa: E402
+from atom.structured_output.schema import BudgetError, SchemaError, prepare_schema  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +99,8 @@ def test_pointer_into_literal_const_is_followed_transitively(tokenizer) -> None:
 
 def test_external_reference_rejected_without_retrieval(monkeypatch) -> None:
     calls = []
-    refuse = S._refuse
-    monkeypatch.setattr(S, "_refuse", lambda uri: calls.append(uri) or refuse(uri))
+    refuse = V._refuse
+    monkeypatch.setattr(V, "_refuse", lambda uri: calls.append(uri) or refuse(uri))
     rejects({"$ref": "http://localhost:1234/draft2020-12/integer.json"}, "/$ref", "non-local")
     rejects({"properties": {"a": {"$ref": "other.json"}}}, "/properties/a/$ref", "non-local")
     # bundled meta-schemas are not in the registry either (draft-07 would validate with re)
@@ -117,7 +115,7 @@ def test_external_reference_rejected_without_retrieval(monkeypatch) -> None:
 def test_registry_refuses_retrieval() -> None:
     from referencing.exceptions import NoSuchResource
 
-    registry, _ = S.make_registry({"type": "integer"})
+    registry, _ = V.make_registry({"type": "integer"})
     with pytest.raises(NoSuchResource):
         registry.get_or_retrieve("http://example.com/schema.json")
 
@@ -161,7 +159,7 @@ def test_lookaround_and_backreference_rejected(pattern: str) -> None:
 
 
 def test_pattern_length_limit() -> None:
-    rejects({"pattern": "a" * (S.MAX_PATTERN_CHARS + 1)}, "/pattern", "longer")
+    rejects({"pattern": "a" * (R.MAX_PATTERN_CHARS + 1)}, "/pattern", "longer")
 
 
 def test_re2_memory_limit() -> None:
@@ -174,13 +172,13 @@ def test_re2_memory_limit() -> None:
 
 
 def test_re2_cache_bounded() -> None:
-    for i in range(S.RE2_CACHE_SIZE + 8):
-        compile_re2(f"^x{i}$", "/pattern")
-    assert len(S._re2_cache) <= S.RE2_CACHE_SIZE
+    for i in range(R.RE2_CACHE_SIZE + 8):
+        compile_re2(f"^x{i}$")
+    assert len(R._re2_cache) <= R.RE2_CACHE_SIZE
 
 
 def test_ecma_unicode_escape_is_translated() -> None:
-    assert S.re2_search(r"^\u0041$", "A")
+    assert R.re2_search(r"^\u0041$", "A")
 
 
 # -- x-guidance, pathological input --------------------------------------------------------------
@@ -264,7 +262,7 @@ def test_literal_string_negation(tokenizer) -> None:
     assert_exact({"type": "string", "not": {"enum": ["", "ab"]}}, values, tokenizer)
     rejects({"not": {"const": "x" * (S.MAX_NEGATED_LITERAL + 1)}}, "/not", "longer")
     for text in ["", "a", "ab\n", "\U0001f600é"]:
-        assert S._not_string_regex_len(text) == len(S._not_string_regex(text))
+        assert R.not_string_regex_len(text) == len(R.not_string_regex(text))
 
 
 def test_array_and_object_literal_negation(tokenizer) -> None:

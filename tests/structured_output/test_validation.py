@@ -180,7 +180,7 @@ def test_validator_never_retrieves(monkeypatch) -> None:
 
     from referencing.exceptions import Unresolvable
 
-    from atom.structured_output.schema import re2_validator
+    from atom.structured_output.json_validator import re2_validator
 
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("network access")
