@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
+
+# JSON whitespace allowed in constrained answers (the grammar enforces it; clients cannot change
+# it): compact = none, space = at most one space, indent = at most one space or one newline plus
+# up to 32 spaces, flexible = any run (llguidance's own). Measured: benchmarks/bench_whitespace.py
+StructuredOutputWhitespace = Literal["compact", "space", "indent", "flexible"]
 
 
 @dataclass
@@ -23,6 +29,14 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     seed: int = 0
+    structured_output_whitespace: StructuredOutputWhitespace = "flexible"
+
+    def __post_init__(self) -> None:
+        if self.structured_output_whitespace not in get_args(StructuredOutputWhitespace):
+            raise ValueError(
+                f"structured_output_whitespace must be one of "
+                f"{get_args(StructuredOutputWhitespace)}, not {self.structured_output_whitespace!r}"
+            )
 
 
 @dataclass
@@ -31,3 +45,7 @@ class ServerConfig:
     port: int = 8000
     model_adapter: str | None = None  # deployment adapter name (see entrypoints/deployments.py)
     log_level: str = "info"
+    # Worker processes for schema preparation and final answer validation, and the time budget
+    # of one such call (an overrun fails that request alone; see structured_output/schema_workers).
+    structured_output_processes: int = 2
+    structured_output_budget_s: float = 10.0

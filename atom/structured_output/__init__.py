@@ -3,7 +3,8 @@
 Importing this package is free: every name below is resolved on first use (PEP 562), so ordinary
 requests never load llguidance, RE2, Triton or allocate mask buffers.
 
-API preflight: ``parse_chat_response_format``, ``parse_responses_text_format``,
+API preflight: ``read_chat_response_format``, ``read_responses_text_format`` (shape checks),
+``SchemaWorkers`` (preparation and final validation in worker processes),
 ``check_request_features``, ``api_fingerprint``, ``admit_on_workers`` (the admission RPC),
 ``StructuredOutputSpec`` (what a request carries), ``validate_answer``.
 Model runner: ``StructuredOutputManager`` (admission, bind, fill_masks, commit, release),
@@ -22,6 +23,7 @@ _LAZY = {
     "AnswerValidationError": "validation",
     "FormatError": "validation",
     "OutputConstraint": "validation",
+    "OutputFormat": "validation",
     "AdmissionError": "validation",
     "StructuredOutputSpec": "validation",
     "UnsupportedWithConstraint": "validation",
@@ -30,12 +32,15 @@ _LAZY = {
     "check_request_features": "validation",
     "parse_chat_response_format": "validation",
     "parse_responses_text_format": "validation",
+    "read_chat_response_format": "validation",
+    "read_responses_text_format": "validation",
     "validate_answer": "validation",
     "GrammarError": "backend_guidance",
     "tokenizer_fingerprint": "backend_guidance",
     "AdmissionResult": "manager",
     "GrammarState": "manager",
     "StructuredOutputManager": "manager",
+    "SchemaWorkers": "schema_workers",
     "MaskBuffers": "utils",
     "TokenSnapshot": "utils",
 }
@@ -49,8 +54,10 @@ __all__ = [
     "GrammarState",
     "MaskBuffers",
     "OutputConstraint",
+    "OutputFormat",
     "PreparedSchema",
     "SchemaError",
+    "SchemaWorkers",
     "StructuredOutputManager",
     "StructuredOutputSpec",
     "TokenSnapshot",
@@ -61,6 +68,8 @@ __all__ = [
     "parse_chat_response_format",
     "parse_responses_text_format",
     "prepare_schema",
+    "read_chat_response_format",
+    "read_responses_text_format",
     "tokenizer_fingerprint",
     "validate_answer",
 ]
@@ -73,12 +82,14 @@ if TYPE_CHECKING:
         StructuredOutputManager,
     )
     from atom.structured_output.schema import PreparedSchema, SchemaError, prepare_schema
+    from atom.structured_output.schema_workers import SchemaWorkers
     from atom.structured_output.utils import MaskBuffers, TokenSnapshot
     from atom.structured_output.validation import (
         AdmissionError,
         AnswerValidationError,
         FormatError,
         OutputConstraint,
+        OutputFormat,
         StructuredOutputSpec,
         UnsupportedWithConstraint,
         admit_on_workers,
@@ -86,6 +97,8 @@ if TYPE_CHECKING:
         check_request_features,
         parse_chat_response_format,
         parse_responses_text_format,
+        read_chat_response_format,
+        read_responses_text_format,
         validate_answer,
     )
 

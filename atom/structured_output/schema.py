@@ -41,6 +41,7 @@ DIALECT = "https://json-schema.org/draft/2020-12/schema"
 MAX_DEPTH = 128
 MAX_REF_DEPTH = 64
 MAX_NEGATED_LITERAL = 256
+MAX_EXACT_INTEGER = 2**53
 BUDGET_ENTRIES = 256
 BUDGET_EVALUATIONS = 4_096
 BUDGET_REGEX_CHARS = 262_144
@@ -144,8 +145,34 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _inexact_integers(value: object) -> bool:
+    """Whether a JSON value holds an integer the grammar compiler would round (it reads
+    numbers as 64-bit floats, exact only up to 2**53)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return abs(value) > MAX_EXACT_INTEGER
+    if isinstance(value, list):
+        return any(_inexact_integers(v) for v in value)
+    if isinstance(value, dict):
+        return any(_inexact_integers(v) for v in value.values())
+    return False
+
+
+def _is_dependencies(value: object) -> bool:
+    """draft-07 ``dependencies``: each value a list of names or a schema."""
+    return isinstance(value, dict) and all(
+        isinstance(v, (dict, bool)) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
+        for v in value.values()
+    )
+
+
 def _check_keyword(key: str, value: object, pointer: str) -> None:
     """Value shapes of draft 2020-12 keywords (the meta-schema, without its regex format)."""
+    if key in (*_NUMBERS, "multipleOf", "const", "enum") and _inexact_integers(value):
+        raise SchemaError(
+            f"integers beyond +/-2**53 cannot be enforced exactly by the grammar ({key})", pointer
+        )
     bad = None
     if key in _NON_NEG_INT:
         bad = not (_is_int(value) and value >= 0)
@@ -173,6 +200,8 @@ def _check_keyword(key: str, value: object, pointer: str) -> None:
         bad = not isinstance(value, list) or not value
     elif key in _IN_MAP:
         bad = not isinstance(value, dict)
+    elif key == "dependencies":
+        bad = not _is_dependencies(value)
     elif key == "dependentRequired":
         bad = not isinstance(value, dict) or not all(
             isinstance(v, list) and all(isinstance(s, str) for s in v) for v in value.values()
@@ -199,6 +228,10 @@ def _check_shapes(schema: object) -> None:
                 stack.extend((v, _child(at, i)) for i, v in enumerate(value))
             elif key in _IN_MAP:
                 stack.extend((v, _child(at, k)) for k, v in value.items())
+            elif key == "dependencies":
+                stack.extend(
+                    (v, _child(at, k)) for k, v in value.items() if not isinstance(v, list)
+                )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -747,11 +780,16 @@ class _Lowerer:
         return False
 
     def _dependent(self, node: dict, pointer: str, resolver: Any, extra: list) -> None:
-        for name, deps in node.get("dependentRequired", {}).items():
-            self.budget.reserve(_child(pointer, "dependentRequired", name), entries=2)
+        """dependentRequired/dependentSchemas, and draft-07 ``dependencies`` (a list of names or
+        a schema per property: what a client writing it means, never silently ignored)."""
+        legacy = [(k, v, "dependencies") for k, v in node.get("dependencies", {}).items()]
+        names = [(k, v, "dependentRequired") for k, v in node.get("dependentRequired", {}).items()]
+        schemas = [(k, v, "dependentSchemas") for k, v in node.get("dependentSchemas", {}).items()]
+        for name, deps, keyword in names + [d for d in legacy if isinstance(d[1], list)]:
+            self.budget.reserve(_child(pointer, keyword, name), entries=2)
             extra.append({"anyOf": [{"properties": {name: False}}, {"required": [name, *deps]}]})
-        for name, sub in node.get("dependentSchemas", {}).items():
-            at = _child(pointer, "dependentSchemas", name)
+        for name, sub, keyword in schemas + [d for d in legacy if not isinstance(d[1], list)]:
+            at = _child(pointer, keyword, name)
             lowered = self.lower(sub, at, resolver)
             if lowered is True:
                 continue
@@ -825,7 +863,8 @@ class _Lowerer:
             return set()
         if {"additionalProperties", "unevaluatedProperties"} & node.keys():
             return None
-        dynamic = {"anyOf", "oneOf", "if", "dependentSchemas", "$dynamicRef", "patternProperties"}
+        dynamic = {"anyOf", "oneOf", "if", "dependentSchemas", "dependencies", "$dynamicRef"}
+        dynamic |= {"patternProperties"}
         found = sorted(dynamic & node.keys())
         if found:
             raise SchemaError(

@@ -7,11 +7,13 @@ success, whatever the grammar let through.
 
 from __future__ import annotations
 
+import decimal
 import hashlib
 import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any, Literal
 
 from atom.structured_output.json_validator import re2_validator
@@ -36,6 +38,8 @@ class AnswerValidationError(ValueError):
 
 @dataclass(frozen=True)
 class OutputConstraint:
+    """A prepared output format: what the API validates against and the workers compile."""
+
     kind: Literal["json_object", "json_schema"]
     name: str | None
     schema: object | None
@@ -43,11 +47,34 @@ class OutputConstraint:
     prepared: PreparedSchema
 
 
-def _json_object() -> OutputConstraint:
-    return OutputConstraint("json_object", None, None, None, prepare_schema({"type": "object"}))
+@dataclass(frozen=True)
+class OutputFormat:
+    """A client output format whose shape is checked; preparing its schema (preflight and
+    lowering, possibly slow) is a separate step: ``prepare`` here, or in worker processes
+    (``schema_workers.SchemaWorkers.prepare``) on the server."""
+
+    kind: Literal["json_object", "json_schema"]
+    name: str | None
+    schema: object | None
+    strict: bool | None
+    schema_param: str
+
+    def constrained(self, prepared: PreparedSchema) -> OutputConstraint:
+        return OutputConstraint(self.kind, self.name, self.schema, self.strict, prepared)
+
+    def prepare(self) -> OutputConstraint:
+        """Prepare in this thread (raises ``FormatError`` naming the schema field)."""
+        schema = {"type": "object"} if self.kind == "json_object" else self.schema
+        try:
+            return self.constrained(prepare_schema(schema))
+        except SchemaError as exc:
+            raise FormatError(str(exc), self.schema_param) from None
 
 
-def _json_schema(fields: dict, prefix: str, allowed: set[str]) -> OutputConstraint:
+_JSON_OBJECT = OutputFormat("json_object", None, None, None, "")
+
+
+def _json_schema(fields: dict, prefix: str, allowed: set[str]) -> OutputFormat:
     """Shared json_schema checks; ``prefix`` is the param path holding name/schema/strict."""
     unknown = sorted(set(fields) - allowed)
     if unknown:
@@ -68,15 +95,11 @@ def _json_schema(fields: dict, prefix: str, allowed: set[str]) -> OutputConstrai
     schema = fields["schema"]
     if not isinstance(schema, (dict, bool)):
         raise FormatError("schema must be a JSON Schema object", f"{prefix}.schema")
-    try:
-        prepared = prepare_schema(schema)
-    except SchemaError as exc:
-        raise FormatError(str(exc), f"{prefix}.schema") from None
-    return OutputConstraint("json_schema", name, schema, strict, prepared)
+    return OutputFormat("json_schema", name, schema, strict, f"{prefix}.schema")
 
 
-def parse_chat_response_format(rf: object) -> OutputConstraint | None:
-    """Chat ``response_format``: None for absent or text."""
+def read_chat_response_format(rf: object) -> OutputFormat | None:
+    """Chat ``response_format``, shape only: None for absent or text."""
     if rf is None:
         return None
     if not isinstance(rf, dict):
@@ -85,7 +108,7 @@ def parse_chat_response_format(rf: object) -> OutputConstraint | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return _json_object()
+        return _JSON_OBJECT
     if kind != "json_schema":
         raise FormatError(
             "type must be 'text', 'json_object' or 'json_schema'", "response_format.type"
@@ -98,8 +121,8 @@ def parse_chat_response_format(rf: object) -> OutputConstraint | None:
     )
 
 
-def parse_responses_text_format(fmt: object) -> OutputConstraint | None:
-    """Responses ``text.format``: None for absent or text."""
+def read_responses_text_format(fmt: object) -> OutputFormat | None:
+    """Responses ``text.format``, shape only: None for absent or text."""
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
@@ -108,11 +131,23 @@ def parse_responses_text_format(fmt: object) -> OutputConstraint | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return _json_object()
+        return _JSON_OBJECT
     if kind != "json_schema":
         raise FormatError("type must be 'text', 'json_object' or 'json_schema'", "text.format.type")
     fields = {k: v for k, v in fmt.items() if k != "type"}
     return _json_schema(fields, "text.format", {"name", "schema", "strict", "description"})
+
+
+def parse_chat_response_format(rf: object) -> OutputConstraint | None:
+    """Chat ``response_format`` read and prepared in this thread (offline use and tests)."""
+    fmt = read_chat_response_format(rf)
+    return None if fmt is None else fmt.prepare()
+
+
+def parse_responses_text_format(fmt: object) -> OutputConstraint | None:
+    """Responses ``text.format`` read and prepared in this thread (offline use and tests)."""
+    read = read_responses_text_format(fmt)
+    return None if read is None else read.prepare()
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
@@ -124,6 +159,30 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
 
 def _no_constant(name: str) -> None:
     raise AnswerValidationError(f"{name} is not JSON")
+
+
+def _integer(text: str) -> int | Decimal:
+    """Python refuses int() of more than 4,300 digits; a decimal holds any integer exactly."""
+    return int(text) if len(text) < 4000 else Decimal(text)
+
+
+def parse_answer(text: str) -> Any:
+    """One JSON value with exact numbers (``Decimal``, never float), refusing repeated keys and
+    NaN/Infinity (raises AnswerValidationError)."""
+    try:
+        return json.loads(
+            text,
+            object_pairs_hook=_no_duplicates,
+            parse_constant=_no_constant,
+            parse_float=Decimal,
+            parse_int=_integer,
+        )
+    except AnswerValidationError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise AnswerValidationError(f"the answer is not valid JSON: {exc}") from None
+    except decimal.DecimalException:
+        raise AnswerValidationError("the answer has a number beyond the decimal range") from None
 
 
 _validators: OrderedDict[str, Any] = OrderedDict()
@@ -148,25 +207,28 @@ def _validator(schema: object) -> Any:
 
 def validate_answer(constraint: OutputConstraint, text: str) -> None:
     """Raise AnswerValidationError unless ``text`` is one JSON value satisfying the constraint."""
+    message = answer_error(constraint.kind, constraint.schema, text)
+    if message is not None:
+        raise AnswerValidationError(message)
+
+
+def answer_error(kind: str, schema: object, text: str) -> str | None:
+    """Why ``text`` does not satisfy the format ``kind``/``schema`` (None: it does). What a
+    worker process runs for the server, so it takes no prepared schema."""
     try:
-        value = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
-    except AnswerValidationError:
-        raise
-    except (ValueError, RecursionError) as exc:
-        raise AnswerValidationError(f"the answer is not valid JSON: {exc}") from None
-    if constraint.kind == "json_object":
-        if not isinstance(value, dict):
-            raise AnswerValidationError("the answer is not a JSON object")
-        return
+        value = parse_answer(text)
+    except AnswerValidationError as exc:
+        return str(exc)
+    if kind == "json_object":
+        return None if isinstance(value, dict) else "the answer is not a JSON object"
     try:
-        error = next(iter(_validator(constraint.prepared.original).iter_errors(value)), None)
+        error = next(iter(_validator(schema).iter_errors(value)), None)
     except Exception as exc:  # never let a validator failure read as success
-        raise AnswerValidationError(f"the answer could not be validated: {exc}") from None
-    if error is not None:
-        where = "/" + "/".join(str(p) for p in error.absolute_path)
-        raise AnswerValidationError(
-            f"the answer does not match the schema at {where}: {error.message}"
-        )
+        return f"the answer could not be validated: {exc}"
+    if error is None:
+        return None
+    where = "/" + "/".join(str(p) for p in error.absolute_path)
+    return f"the answer does not match the schema at {where}: {error.message}"
 
 
 # ---- request spec and admission-time worker RPC --------------------------------------------

@@ -77,6 +77,7 @@ def build_app(engine: Any, server_config: ServerConfig | None = None) -> FastAPI
         version="0.1.0",
     )
     app.state.serving = serving
+    app.router.on_shutdown.append(serving.close)
     app.add_middleware(_JSONBodyByDefault)
     install_error_handlers(app)
 

@@ -181,7 +181,7 @@ class ServingChat:
         final, logprobs = await run_until_disconnect(
             raw_request, s.collect(request_id, rendered, params, tracker)
         )
-        return self._full_response(request_id, req, rendered, params, final, logprobs, top)
+        return await self._full_response(request_id, req, rendered, params, final, logprobs, top)
 
     def _usage(
         self, rendered: RenderedPrompt, n_out: int, cached: int, reasoning_tokens: int | None
@@ -201,13 +201,13 @@ class ServingChat:
             return None
         return len(self.s.encoder.encode(reasoning)) if reasoning else 0
 
-    def _full_response(
+    async def _full_response(
         self, request_id, req, rendered, params, final, logprobs, top
     ) -> dict[str, Any]:
         if final.finish_reason == "error":
             raise generation_error(final.error)
         reasoning, text = self.s.split_reasoning(rendered, final.text)
-        invalid = structured_output_final_check(params, text, final.finish_reason)
+        invalid = await structured_output_final_check(self.s, params, text, final.finish_reason)
         if invalid is not None:
             raise structured_output_error(invalid)
         message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -299,7 +299,7 @@ class ServingChat:
             yield DONE
             return
         answer = parser.text if parser is not None else final.text
-        invalid = structured_output_final_check(params, answer, final.finish_reason)
+        invalid = await structured_output_final_check(self.s, params, answer, final.finish_reason)
         if invalid is not None:
             yield data_event(structured_output_error(invalid).openai_body())
             yield DONE

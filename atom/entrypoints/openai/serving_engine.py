@@ -103,11 +103,9 @@ async def structured_output_preflight(
     from atom.structured_output import validation as so
 
     try:
-        parse = (
-            so.parse_chat_response_format if endpoint == "chat" else so.parse_responses_text_format
-        )
-        constraint = parse(fmt)
-        if constraint is None:
+        read = so.read_chat_response_format if endpoint == "chat" else so.read_responses_text_format
+        fmt = read(fmt)
+        if fmt is None:
             return None
         so.check_request_features(
             stop=list(params.stop or []),
@@ -120,6 +118,7 @@ async def structured_output_preflight(
             speculative=getattr(serving.engine_config, "speculative_config", None) is not None,
             param=param,
         )
+        constraint = await serving.schema_workers.prepare(fmt)
     except so.FormatError as e:
         raise bad_request(
             e.message, param=e.param, code=getattr(e, "code", "invalid_response_format")
@@ -197,27 +196,22 @@ def generation_error(message: str | None) -> APIError:
     return APIError(message, status=500, code="generation_error")
 
 
-def structured_output_final_check(
-    params: SamplingParams, answer: str, finish_reason: str | None
+async def structured_output_final_check(
+    serving: ServingContext, params: SamplingParams, answer: str, finish_reason: str | None
 ) -> str | None:
     """STRUCTURED-OUTPUT HOOK (final validation): called with the visible answer (reasoning
     removed) before any success is reported, streaming or not. Returns an error message when a
     constrained answer fails validation (the endpoint then reports an error: Chat non-stream 500
     body, Chat stream an error event then [DONE], Responses `failed`); None when fine. An output
     cap hit mid-JSON is not a validation failure: it is reported as length / incomplete (never
-    as a success)."""
+    as a success). Runs in a schema worker process, within its time budget."""
     spec = params.structured_output
     if spec is None or finish_reason == "length":
         return None
-    from atom.structured_output.validation import AnswerValidationError, validate_answer
-
     if spec.constraint is None:
         return "structured output: the request lost its output constraint"
-    try:
-        validate_answer(spec.constraint, answer)
-    except AnswerValidationError as e:
-        return f"structured output: {e}"
-    return None
+    invalid = await serving.schema_workers.validate(spec.constraint, answer)
+    return None if invalid is None else f"structured output: {invalid}"
 
 
 def stream_pieces(
@@ -255,7 +249,24 @@ class ServingContext:
             self._engine_stats, getattr(engine, "structured_output_stats", None)
         )
         self._token_bytes: dict[int, bytes] = {}
+        self._schema_workers: Any = None
         self.created = int(time.time())
+
+    @property
+    def schema_workers(self) -> Any:
+        """The structured-output worker processes, started by the first constrained request."""
+        if self._schema_workers is None:
+            from atom.structured_output.schema_workers import SchemaWorkers
+
+            self._schema_workers = SchemaWorkers(
+                self.server_config.structured_output_processes,
+                self.server_config.structured_output_budget_s,
+            )
+        return self._schema_workers
+
+    def close(self) -> None:
+        if self._schema_workers is not None:
+            self._schema_workers.close()
 
     def _engine_stats(self) -> Any:
         stats = getattr(self.engine, "stats", None)

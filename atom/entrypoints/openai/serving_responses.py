@@ -169,7 +169,7 @@ class ServingResponses:
         final, _ = await run_until_disconnect(
             raw_request, s.collect(response_id, rendered, params, tracker)
         )
-        return self._full(base, rendered, params, final)
+        return await self._full(base, rendered, params, final)
 
     # ---- objects --------------------------------------------------------------------------
     def _base(self, response_id: str, req: ResponsesRequest) -> dict[str, Any]:
@@ -248,7 +248,7 @@ class ServingResponses:
         resp["status"] = "completed"
         return "completed"
 
-    def _full(
+    async def _full(
         self, base: dict[str, Any], rendered: RenderedPrompt, params, final
     ) -> dict[str, Any]:
         resp = dict(base)
@@ -257,7 +257,7 @@ class ServingResponses:
             resp["error"] = _failure(final.error or "generation failed")
             return resp
         reasoning, text = self.s.split_reasoning(rendered, final.text)
-        invalid = structured_output_final_check(params, text, final.finish_reason)
+        invalid = await structured_output_final_check(self.s, params, text, final.finish_reason)
         if invalid is not None:
             resp["status"] = "failed"
             resp["error"] = _failure(invalid)
@@ -414,7 +414,7 @@ class ServingResponses:
             error = "the engine ended the request without output"
         if error is None:
             answer = parser.text if parser is not None else final.text
-            error = structured_output_final_check(params, answer, final.finish_reason)
+            error = await structured_output_final_check(self.s, params, answer, final.finish_reason)
         if error is not None:
             r = snapshot("failed")
             r["error"] = _failure(error)
