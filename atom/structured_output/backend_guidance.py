@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from atom.config import EngineConfig, StructuredOutputWhitespace
+
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 
@@ -20,21 +22,40 @@ __all__ = [
     "GrammarError",
     "GuidanceBackend",
     "JSON_OPTIONS",
+    "WHITESPACE_OPTIONS",
     "build_ll_tokenizer",
+    "json_options",
     "parser_limits",
     "tokenizer_fingerprint",
 ]
 
-# Applied last (after the schema's own "x-guidance"), so a client can neither turn on lenient
-# compilation (silently ignoring keywords) nor change separators.
-JSON_OPTIONS: dict[str, Any] = {
-    "lenient": False,
-    "coerce_one_of": False,
-    "item_separator": ",",
-    "key_separator": ":",
-    "whitespace_flexible": True,
-    "whitespace_pattern": None,
+# llguidance's whitespace options per ``EngineConfig.structured_output_whitespace`` mode. A
+# pattern is a regex matched at every whitespace position; "flexible" is llguidance's own (any
+# run of JSON whitespace), which lets small models emit blank lines until the output cap
+# (benchmarks/bench_whitespace.py measures the modes).
+WHITESPACE_OPTIONS: dict[str, dict[str, Any]] = {
+    "compact": {"whitespace_flexible": False, "whitespace_pattern": None},
+    "space": {"whitespace_flexible": True, "whitespace_pattern": r"[ ]?"},
+    "indent": {"whitespace_flexible": True, "whitespace_pattern": r"[ ]?|\n[ ]{0,32}"},
+    "flexible": {"whitespace_flexible": True, "whitespace_pattern": None},
 }
+
+
+def json_options(
+    whitespace: StructuredOutputWhitespace = EngineConfig.structured_output_whitespace,
+) -> dict[str, Any]:
+    """llguidance JSON options of a whitespace mode.
+
+    Applied last (after the schema's own "x-guidance"), so a client can neither turn on lenient
+    compilation (silently ignoring keywords) nor change separators or whitespace.
+    """
+    if whitespace not in WHITESPACE_OPTIONS:
+        raise ValueError(f"unknown structured output whitespace {whitespace!r}")
+    fixed = {"lenient": False, "coerce_one_of": False, "item_separator": ",", "key_separator": ":"}
+    return {**fixed, **WHITESPACE_OPTIONS[whitespace]}
+
+
+JSON_OPTIONS = json_options()  # the default mode's options
 MAX_ERROR_CHARS = 300
 
 
@@ -239,7 +260,11 @@ class GuidanceBackend:
         hf_tokenizer: Any,
         lm_head_size: int,
         stop_token_ids: Sequence[int] | None = None,
+        whitespace: StructuredOutputWhitespace = EngineConfig.structured_output_whitespace,
     ) -> None:
+        # One mode for the backend's life: the manager's compile cache (keyed by schema) never
+        # mixes grammars of different modes.
+        self.json_options = json_options(whitespace)
         self.stop_token_ids = _stop_ids(hf_tokenizer, stop_token_ids)
         self.ll_tokenizer = build_ll_tokenizer(hf_tokenizer, lm_head_size, self.stop_token_ids)
         self.vocab_size = lm_head_size
@@ -250,11 +275,16 @@ class GuidanceBackend:
         """The validated llguidance grammar for a lowered schema (raises ``GrammarError``)."""
         from llguidance import LLMatcher
 
+        from atom.structured_output.regex import translate_schema_patterns
+
         if lowered is False:
             raise GrammarError("the schema admits no value")
         schema = {} if lowered is True else {k: v for k, v in lowered.items() if k != "x-guidance"}
         try:
-            grammar = LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+            # Lowered patterns are ECMA-262; llguidance reads Rust syntax (RegexError is a
+            # ValueError: an untranslatable pattern is a GrammarError like any other).
+            schema = translate_schema_patterns(schema)
+            grammar = LLMatcher.grammar_from_json_schema(schema, overrides=self.json_options)
         except (ValueError, TypeError) as exc:
             raise GrammarError(_safe_message(str(exc))) from None
         is_error, messages = LLMatcher.validate_grammar_with_warnings(

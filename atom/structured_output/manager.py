@@ -22,9 +22,12 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 
+from atom.config import EngineConfig, StructuredOutputWhitespace
 from atom.structured_output.backend_guidance import GrammarError, GuidanceBackend
+from atom.structured_output.json_keys import KeyTokenIndex, KeyTracker
 from atom.structured_output.utils import fill_bitmask_row
 
 if TYPE_CHECKING:
@@ -60,6 +63,9 @@ class GrammarState:
     is active. Bytes after the marker inside the same token are fed to the matcher (leading JSON
     whitespace is dropped: it is insignificant to the answer, and llguidance's JSON grammar does
     not start with whitespace).
+
+    The bytes the matcher consumes also feed a ``KeyTracker``: the mask forbids tokens that would
+    repeat a key in an object (llguidance allows it where keys are free), see ``json_keys``.
     """
 
     def __init__(
@@ -69,6 +75,7 @@ class GrammarState:
         backend: GuidanceBackend,
         masks: dict[str, torch.Tensor],
         end_marker: bytes | None,
+        key_index: KeyTokenIndex,
     ) -> None:
         self.request_id = request_id
         self.matcher = matcher
@@ -76,6 +83,7 @@ class GrammarState:
         self._backend = backend
         self._masks = masks
         self._stop_mask, self._free_mask = masks["stop"], masks["free"]
+        self._stop_words = self._stop_mask.numpy().view(np.uint32)
         # Bound methods of the per-token mask path, looked up once (see ``fill_masks``).
         self._compute_mask_ptr = matcher.unsafe_compute_mask_ptr
         self._is_stopped = matcher.is_stopped
@@ -83,8 +91,11 @@ class GrammarState:
         self._marker = end_marker or b""
         self.active = not self._marker
         self._tail = b""
-        # Per committed token: (matcher tokens consumed, active before, tail before), for rollback.
-        self._history: list[tuple[int, bool, bytes]] = []
+        self._key_index = key_index
+        self.keys = KeyTracker(key_index.watched)
+        self._answer = bytearray()  # the bytes the matcher consumed: rollback replays ``keys``
+        # Per committed token: (matcher tokens consumed, active, tail, answer length) before it.
+        self._history: list[tuple[int, bool, bytes, int]] = []
 
     @property
     def finished(self) -> bool:
@@ -99,10 +110,16 @@ class GrammarState:
         # One at a time: llguidance 1.9.1 accepts EOS after a stop only through consume_token.
         return all(self.matcher.consume_token(t) for t in tokens)
 
+    def _feed(self, data: bytes) -> None:
+        self.keys.feed(data)
+        self._answer += data
+
     def _advance(self, token: int, speculative: bool) -> tuple[bool, int]:
         """Feed one output token; returns (accepted, matcher tokens consumed)."""
         if self.active:
             ok = self._consume([token], speculative)
+            if ok:
+                self._feed(self._backend.token_bytes(token))
             return ok, int(ok)
         data = self._tail + self._backend.token_bytes(token)
         at = data.find(self._marker)
@@ -115,9 +132,13 @@ class GrammarState:
             return True, 0
         extra = self._backend.tokenize_bytes(rest)
         if not speculative:
-            return self._consume(extra, speculative=False), len(extra)
+            ok = self._consume(extra, speculative=False)
+            if ok:
+                self._feed(rest)
+            return ok, len(extra)
         consumed = self.matcher.try_consume_tokens(extra)
         if consumed == len(extra):
+            self._feed(rest)
             return True, consumed
         if consumed:
             self.matcher.rollback(consumed)
@@ -128,12 +149,14 @@ class GrammarState:
         for token in tokens:
             if self.error is not None:
                 return False
-            before = (self.active, self._tail)
+            before = (self.active, self._tail, len(self._answer))
             ok, consumed = self._advance(token, speculative=False)
             if not ok:
                 self.error = "structured output: the grammar rejected a generated token"
                 return False
             self._history.append((consumed, *before))
+            if self.keys.repeated:  # only a token the mask never saw (after the end marker)
+                self.error = "structured output: the answer repeats an object key"
         return self.error is None
 
     def rollback(self, num_tokens: int) -> None:
@@ -142,15 +165,25 @@ class GrammarState:
             raise ValueError("cannot roll back more tokens than were committed")
         undo = self._history[len(self._history) - num_tokens :]
         del self._history[len(self._history) - num_tokens :]
-        consumed = sum(n for n, _, _ in undo)
+        consumed = sum(n for n, _, _, _ in undo)
         if consumed and not self.matcher.rollback(consumed):
             self.error = "structured output: grammar rollback failed"
         if undo:
-            self.active, self._tail = undo[0][1], undo[0][2]
+            _, self.active, self._tail, answer_length = undo[0]
+            del self._answer[answer_length:]
+            self.keys = KeyTracker.replay(bytes(self._answer), self._key_index.watched)
 
-    def _fill_row(self, bitmask: torch.Tensor, row: int, base: int = 0, row_bytes: int = 0) -> None:
+    def _fill_row(
+        self,
+        bitmask: torch.Tensor,
+        row: int,
+        base: int = 0,
+        row_bytes: int = 0,
+        speculative: bool = False,
+    ) -> None:
         """One row. With ``row_bytes`` the caller has validated ``bitmask`` (``base`` is its data
-        pointer) and llguidance writes the row through the pointer directly."""
+        pointer) and llguidance writes the row through the pointer directly. ``speculative``: the
+        state after draft tokens (see ``forbid_repeated_keys``)."""
         if self.error is not None:
             bitmask[row] = self._stop_mask
         elif not self.active:
@@ -165,6 +198,20 @@ class GrammarState:
             if self._is_error():
                 self.error = "structured output: grammar failure"
                 bitmask[row] = self._stop_mask
+            elif self.keys.guard:
+                self.forbid_repeated_keys(bitmask[row].numpy().view(np.uint32), speculative)
+
+    def forbid_repeated_keys(self, words: np.ndarray, speculative: bool = False) -> None:
+        """Clear from an llguidance row (a ``uint32`` view) the tokens that would repeat a key.
+
+        If nothing is left (every continuation repeats a key), the row gets the stop mask, so a
+        forbidden token is never sampled, and the request fails with a grammar error; after
+        draft tokens (``speculative``) only the row does, as the drafts may not be accepted.
+        """
+        if self._key_index.forbid(self.keys, words) and not words.any():
+            words[:] = self._stop_words
+            if not speculative:
+                self.error = "structured output: every continuation repeats an object key"
 
     def fill_rows(
         self,
@@ -182,22 +229,24 @@ class GrammarState:
         if not drafts:
             self._fill_row(bitmask, row, base, row_bytes)
             return 1
-        saved = (self.active, self._tail)
+        saved = (self.active, self._tail, self.keys, len(self._answer))
+        self.keys = self.keys.copy()
         consumed = 0
         try:
             for j in range(len(drafts) + 1):
-                self._fill_row(bitmask, row + j, base, row_bytes)
+                self._fill_row(bitmask, row + j, base, row_bytes, speculative=j > 0)
                 if j == len(drafts) or self.error is not None:
                     continue
                 ok, n = self._advance(drafts[j], speculative=True)
                 consumed += n
-                if not ok:
+                if not ok or self.keys.repeated:  # a repeated key: the mask forbade this draft
                     bitmask[row + j + 1 : row + len(drafts) + 1] = self._stop_mask
                     break
         finally:
             if consumed:
                 self.matcher.rollback(consumed)
-            self.active, self._tail = saved
+            self.active, self._tail, self.keys, answer_length = saved
+            del self._answer[answer_length:]
         return len(drafts) + 1
 
 
@@ -213,6 +262,7 @@ class StructuredOutputManager:
         stop_token_ids: Sequence[int] | None = None,
         cache_size: int = 64,
         compile_threads: int = 1,
+        whitespace: StructuredOutputWhitespace = EngineConfig.structured_output_whitespace,
     ) -> None:
         from atom.structured_output.backend_guidance import tokenizer_fingerprint
 
@@ -220,7 +270,7 @@ class StructuredOutputManager:
         self.lm_head_size = lm_head_size or vocab_size
         if self.lm_head_size < vocab_size:
             raise ValueError("the LM head is smaller than the configured vocabulary")
-        self.backend = GuidanceBackend(hf_tokenizer, self.lm_head_size, stop_token_ids)
+        self.backend = GuidanceBackend(hf_tokenizer, self.lm_head_size, stop_token_ids, whitespace)
         self.fingerprint = tokenizer_fingerprint(
             hf_tokenizer, self.backend.stop_token_ids, vocab_size
         )
@@ -229,13 +279,14 @@ class StructuredOutputManager:
             "stop": torch.from_numpy(self.backend.token_mask(self.backend.stop_token_ids)),
             "free": torch.from_numpy(self.backend.token_mask(real)),
         }
+        self.key_index = KeyTokenIndex([self.backend.token_bytes(i) for i in real])
         self.cache_size = cache_size
         self._lock = threading.Lock()
         self._ready: OrderedDict[str, LLMatcher | _Failed] = OrderedDict()
         self._pending: dict[str, Future] = {}
         self._states: dict[str, GrammarState] = {}
-        # The last mask buffer given to ``fill_masks`` and its validated geometry.
-        self._mask_geometry: tuple[torch.Tensor, int, int, int] | None = None
+        # The last mask buffer given to ``fill_masks``, its validated geometry and uint32 view.
+        self._mask_geometry: tuple[torch.Tensor, int, int, int, np.ndarray] | None = None
         self._executor = ThreadPoolExecutor(compile_threads, thread_name_prefix="atom-grammar")
 
     # ---- admission ---------------------------------------------------------------------------
@@ -314,7 +365,9 @@ class StructuredOutputManager:
             raise LookupError("grammar not compiled (admit the request first)")
         if isinstance(entry, _Failed):
             raise ValueError(entry.message)
-        state = GrammarState(request_id, entry.deep_copy(), self.backend, self.masks, end_marker)
+        state = GrammarState(
+            request_id, entry.deep_copy(), self.backend, self.masks, end_marker, self.key_index
+        )
         with self._lock:
             self._states[request_id] = state
         return state
@@ -344,12 +397,13 @@ class StructuredOutputManager:
         Returns the number of rows filled. ``bitmask`` is validated when it is first seen (a
         buffer must not be resized or re-pointed in place afterwards; ``MaskBuffers`` never
         does); an active row without drafts then costs one state check and one llguidance call
-        writing straight into the row: no per-row tensor slicing, checks or ``data_ptr()``.
+        writing straight into the row: no per-row tensor slicing, checks or ``data_ptr()``. Only
+        a state that might write a repeated key (``KeyTracker.guard``) has the row filtered.
         """
         geometry = self._mask_geometry
         if geometry is None or geometry[0] is not bitmask:
             geometry = self._mask_geometry = self._validate_mask(bitmask)
-        _, base, num_rows, row_bytes = geometry
+        _, base, num_rows, row_bytes, words = geometry
         states = self._states
         row = 0
         for request_id, drafts in batch:
@@ -366,13 +420,18 @@ class StructuredOutputManager:
                 if state._is_error():
                     state.error = "structured output: grammar failure"
                     bitmask[row] = state._stop_mask
+                elif state.keys.guard:
+                    state.forbid_repeated_keys(words[row])
             else:
                 state._fill_row(bitmask, row)
             row += 1
         return row
 
-    def _validate_mask(self, bitmask: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
-        """(bitmask, data pointer, rows, bytes per row) of a buffer llguidance may write into."""
+    def _validate_mask(
+        self, bitmask: torch.Tensor
+    ) -> tuple[torch.Tensor, int, int, int, np.ndarray]:
+        """(bitmask, data pointer, rows, bytes per row, ``uint32`` view) of a buffer llguidance
+        may write into."""
         if (
             bitmask.dtype is not torch.int32
             or not bitmask.is_cpu
@@ -383,7 +442,7 @@ class StructuredOutputManager:
         num_rows, words = bitmask.shape
         if words * 32 < self.lm_head_size:
             raise ValueError(f"bitmask rows of {words} words are too short for the vocabulary")
-        return bitmask, bitmask.data_ptr(), num_rows, words * 4
+        return bitmask, bitmask.data_ptr(), num_rows, words * 4, bitmask.numpy().view(np.uint32)
 
     # ---- counters and shutdown ---------------------------------------------------------------
 

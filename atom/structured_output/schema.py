@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from atom.structured_output.formats import CHECKERS
 from atom.structured_output.json_validator import IN_PLACE, make_registry, re2_validator
 from atom.structured_output.regex import (
     RegexError,
@@ -332,6 +333,22 @@ _NEG_COUNTS = {
 }
 
 
+_ONE_BRANCH = frozenset(("type", "const", "enum", "anyOf", "$ref", *_NEG_BOUNDS, *_NEG_COUNTS))
+
+
+def _complement_size(key: str, value: Any) -> int:
+    """How many branches ``_negate_keyword`` makes for a keyword (at most), known before."""
+    if key in ("required", "allOf"):
+        return len(value)
+    if key == "properties":
+        return sum(sub is not True for sub in value.values())
+    if key == "prefixItems":
+        return sum(sub is not True for sub in value)
+    if key == "items":
+        return int(value is False)
+    return int(key in _ONE_BRANCH)
+
+
 class _Lowerer:
     def __init__(self, base: str) -> None:
         self.base = base
@@ -458,10 +475,11 @@ class _Lowerer:
         schema = self.deref(schema, pointer)
         if isinstance(schema, bool):
             return not schema
+        size = sum(_complement_size(key, value) for key, value in schema.items())
+        self.budget.reserve(pointer, entries=size)  # before building any branch
         branches: list = []
         for key, value in schema.items():
             branches.extend(self._negate_keyword(schema, key, value, pointer))
-        self.budget.reserve(pointer, entries=len(branches))
         return _any_of(branches)
 
     def _negate_keyword(self, schema: dict, key: str, value: Any, pointer: str) -> list:
@@ -614,7 +632,7 @@ class _Lowerer:
                 _compile_pattern(value, at)
                 out[key] = value
             elif key == "format":
-                if value in GRAMMAR_FORMATS:
+                if value in GRAMMAR_FORMATS and value in CHECKERS:
                     out[key] = value
                 elif value in STANDARD_FORMATS:
                     raise SchemaError(f"format {value!r} is not supported by the grammar", at)
@@ -918,8 +936,8 @@ class _Lowerer:
         # patternProperties also applies to listed properties: only exact when they are free.
         if regex is None or (props and others is not True) or out.get("patternProperties"):
             raise SchemaError("propertyNames has no exact lowering here", at)
-        _compile_pattern(regex, at)
         self.budget.reserve(at, regex_chars=len(regex))
+        _compile_pattern(regex, at)
         out["properties"] = {
             k: (s if self.valid(names, k, at) else False) for k, s in props.items()
         }
@@ -998,7 +1016,7 @@ def _names_regex(names: object) -> str | None:
         low, high = names.get("minLength", 0), names.get("maxLength", "")
         if max(low, high or 0) > 1000:  # RE2's repetition limit
             return None
-        return f"^(?s:.){{{low},{high}}}$"
+        return f"^[^]{{{low},{high}}}$"  # ECMA-262, like every regex in a lowered schema
     return None
 
 

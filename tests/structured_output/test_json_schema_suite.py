@@ -22,6 +22,7 @@ pytest.importorskip("llguidance")
 pytest.importorskip("re2")
 
 from atom.structured_output.backend_guidance import JSON_OPTIONS as COMPILE_OPTIONS  # noqa: E402
+from atom.structured_output.regex import translate_schema_patterns  # noqa: E402
 from atom.structured_output.schema import SchemaError, prepare_schema  # noqa: E402
 from atom.structured_output.validation import answer_error  # noqa: E402
 
@@ -77,7 +78,8 @@ def run_group(group: dict, texts: list[str], tokenizer, optional: bool) -> dict:
     except SchemaError as exc:
         assert exc.message and exc.pointer is not None
         return {"outcome": "rejected", "reason": exc.message}
-    grammar = LLMatcher.grammar_from_json_schema(prepared.lowered, overrides=COMPILE_OPTIONS)
+    lowered = translate_schema_patterns(prepared.lowered)  # as GuidanceBackend.grammar() does
+    grammar = LLMatcher.grammar_from_json_schema(lowered, overrides=COMPILE_OPTIONS)
     error = LLMatcher.validate_grammar(grammar, tokenizer)
     if error:
         return {"outcome": "rejected", "reason": "llguidance: " + error.splitlines()[0][:120]}

@@ -37,9 +37,8 @@ def rejects(schema: object, pointer: str, words: str = "") -> SchemaError:
 def accepts(schema: object, value: object, tokenizer) -> bool:
     from llguidance import LLMatcher
 
-    grammar = LLMatcher.grammar_from_json_schema(
-        prepare_schema(schema).lowered, overrides=COMPILE_OPTIONS
-    )
+    lowered = R.translate_schema_patterns(prepare_schema(schema).lowered)
+    grammar = LLMatcher.grammar_from_json_schema(lowered, overrides=COMPILE_OPTIONS)
     assert not LLMatcher.validate_grammar(grammar, tokenizer)
     matcher = LLMatcher(tokenizer, grammar, log_level=0)
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
@@ -153,9 +152,9 @@ def test_recursive_reference_cannot_be_negated() -> None:
 
 @pytest.mark.parametrize("pattern", ["a(?=b)", "(?<!a)b", r"(a)\1"])
 def test_lookaround_and_backreference_rejected(pattern: str) -> None:
-    rejects({"pattern": pattern}, "/pattern", "RE2")
-    rejects({"patternProperties": {pattern: {}}}, "/patternProperties/" + pattern, "RE2")
-    rejects({"propertyNames": {"pattern": pattern}}, "/propertyNames/pattern", "RE2")
+    rejects({"pattern": pattern}, "/pattern", "unsupported")
+    rejects({"patternProperties": {pattern: {}}}, "/patternProperties/" + pattern, "unsupported")
+    rejects({"propertyNames": {"pattern": pattern}}, "/propertyNames/pattern", "unsupported")
 
 
 def test_pattern_length_limit() -> None:
@@ -168,7 +167,7 @@ def test_re2_memory_limit() -> None:
     options = re2.Options()
     options.max_mem = 64 << 20
     re2.compile(r"\pL{1000}", options)  # fine with more memory
-    rejects({"pattern": r"\pL{1000}"}, "/pattern", "RE2")
+    rejects({"pattern": r"\p{L}{1000}"}, "/pattern", "RE2")
 
 
 def test_re2_cache_bounded() -> None:
@@ -233,7 +232,6 @@ def test_annotations_and_unknown_keywords_stripped() -> None:
     schema = {
         "title": "t",
         "additionalItems": False,
-        "dependencies": {"a": ["b"]},
         "minContains": 2,
         "then": {"$ref": "http://example.com/ignored-without-if"},
         "contentSchema": {"type": "string"},
@@ -244,6 +242,14 @@ def test_annotations_and_unknown_keywords_stripped() -> None:
 
 
 # -- exact lowerings -----------------------------------------------------------------------------
+
+
+def test_draft7_dependencies_are_enforced(tokenizer) -> None:
+    """Not a 2020-12 keyword, but what a client writing it means: never silently ignored."""
+    schema = {"dependencies": {"a": ["b"], "c": {"required": ["d"]}}}
+    values = [{}, {"a": 1}, {"a": 1, "b": 2}, {"c": 1}, {"c": 1, "d": 2}, {"b": 1}]
+    assert_exact(schema, values, tokenizer)
+    assert not re2_validator(schema).is_valid({"a": 1})
 
 
 def test_numeric_boolean_null_negation(tokenizer) -> None:
@@ -462,7 +468,7 @@ def test_evaluation_budget_exhausted() -> None:
 
 
 def test_regex_budget_exhausted() -> None:
-    words = [f"w{i:03d}" + "x" * 250 for i in range(40)]
+    words = [f"w{i:03d}" + "x" * 250 for i in range(80)]
     with pytest.raises(BudgetError, match="regex"):
         prepare_schema({"not": {"enum": words}})
 
@@ -480,3 +486,18 @@ def test_key_is_stable_and_content_addressed() -> None:
     b = prepare_schema({"title": "y", "type": "integer"})
     assert a.key == b.key and len(a.key) == 64
     assert a.key != prepare_schema({"type": "string"}).key
+
+
+def test_complement_budget_is_reserved_before_building(monkeypatch) -> None:
+    """A complement over the budget fails before any of its branches exists."""
+    built = []
+    original = S._Lowerer._negate_keyword
+    monkeypatch.setattr(
+        S._Lowerer, "_negate_keyword", lambda self, *a: built.append(a[1]) or original(self, *a)
+    )
+    names = [f"p{i}" for i in range(S.BUDGET_ENTRIES + 1)]
+    with pytest.raises(BudgetError):
+        prepare_schema({"type": "object", "not": {"required": names}})
+    assert built == []
+    prepare_schema({"type": "object", "not": {"required": names[:8]}})
+    assert built == ["required"]
