@@ -50,10 +50,14 @@ NESTED_DIALECT = {
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300)
 
 
-def test_health_answers_while_hostile_schemas_are_prepared(server, client, model_id):
+def test_health_answers_while_hostile_schemas_are_prepared(server, model_id):
+    client = openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300
+    )
+
     async def ask(schema: dict) -> tuple[str, float]:
         start = time.monotonic()
         try:
@@ -105,19 +109,15 @@ def test_exact_multiple_of_is_a_success(server, client, model_id):
         "additionalProperties": False,
     }
 
-    async def run():
-        chat = await client.chat.completions.create(
-            model=model_id, messages=PROMPT, response_format=json_schema(schema), temperature=0
-        )
-        responses = await client.responses.create(
-            model=model_id,
-            input="Reply in JSON.",
-            text={"format": {"type": "json_schema", "name": "t", "schema": schema}},
-            temperature=0,
-        )
-        return chat, responses
-
-    chat, responses = asyncio.run(run())
+    chat = client.chat.completions.create(
+        model=model_id, messages=PROMPT, response_format=json_schema(schema), temperature=0
+    )
+    responses = client.responses.create(
+        model=model_id,
+        input="Reply in JSON.",
+        text={"format": {"type": "json_schema", "name": "t", "schema": schema}},
+        temperature=0,
+    )
     assert chat.choices[0].finish_reason == "stop"
     assert json.loads(chat.choices[0].message.content)["price"] in (0.28, 0.29, 0.3)
     assert responses.status == "completed"
@@ -127,10 +127,8 @@ def test_exact_multiple_of_is_a_success(server, client, model_id):
 def test_big_integer_const_is_refused_with_a_pointer(server, client, model_id):
     schema = {"type": "object", "properties": {"id": {"const": 9007199254740993}}}
     with pytest.raises(openai.BadRequestError) as info:
-        asyncio.run(
-            client.chat.completions.create(
-                model=model_id, messages=PROMPT, response_format=json_schema(schema)
-            )
+        client.chat.completions.create(
+            model=model_id, messages=PROMPT, response_format=json_schema(schema)
         )
     error = info.value.body
     assert error["param"] == "response_format.json_schema.schema"
@@ -141,10 +139,8 @@ def test_an_invalid_date_is_an_error_not_a_success(server, client, model_id):
     """The grammar's date-time regex admits February 29th of 2021; the final check does not."""
     forced = {"type": "string", "format": "date-time", "pattern": "^2021-02-29T00:00:00Z$"}
     with pytest.raises(openai.InternalServerError) as info:
-        asyncio.run(
-            client.chat.completions.create(
-                model=model_id, messages=PROMPT, response_format=json_schema(forced)
-            )
+        client.chat.completions.create(
+            model=model_id, messages=PROMPT, response_format=json_schema(forced)
         )
     assert info.value.body["code"] == "structured_output_error"
     assert "date-time" in info.value.body["message"]
