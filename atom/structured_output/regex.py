@@ -14,9 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import string
-import threading
 import unicodedata
-from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -526,20 +524,17 @@ def translate_schema_patterns(schema: Any) -> Any:
 
 # -- RE2 ------------------------------------------------------------------------------------------
 
-_re2_cache: OrderedDict[str, Any] = OrderedDict()
-_re2_lock = threading.Lock()
-
 
 def compile_re2(pattern: str) -> Any:
-    """Compile a schema regex with RE2: translated, bounded size, memory and cache (raises
-    RegexError)."""
+    """Compile a schema regex with RE2: translated, bounded size and memory (raises
+    RegexError); the last ``RE2_CACHE_SIZE`` compiled patterns are kept."""
     if not isinstance(pattern, str):
         raise RegexError("a regular expression must be a string")
-    with _re2_lock:
-        hit = _re2_cache.get(pattern)
-        if hit is not None:
-            _re2_cache.move_to_end(pattern)
-            return hit
+    return _compile_re2(pattern)
+
+
+@functools.lru_cache(maxsize=RE2_CACHE_SIZE)
+def _compile_re2(pattern: str) -> Any:
     translated = translate(pattern)
     import re2
 
@@ -547,18 +542,12 @@ def compile_re2(pattern: str) -> Any:
     options.max_mem = RE2_MAX_MEM
     options.log_errors = False
     try:
-        compiled = re2.compile(translated, options)
+        return re2.compile(translated, options)
     except Exception as exc:  # re2.error, and anything odd the binding raises
         detail = exc.args[0] if exc.args else exc
         if isinstance(detail, bytes):
             detail = detail.decode("utf-8", "replace")
         raise RegexError(f"unsupported regular expression (RE2): {detail}") from None
-    with _re2_lock:
-        _re2_cache[pattern] = compiled
-        _re2_cache.move_to_end(pattern)
-        while len(_re2_cache) > RE2_CACHE_SIZE:
-            _re2_cache.popitem(last=False)
-    return compiled
 
 
 def re2_search(pattern: str, text: str) -> bool:

@@ -8,10 +8,9 @@ success, whatever the grammar let through.
 from __future__ import annotations
 
 import decimal
-import hashlib
+import functools
 import json
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Literal
@@ -185,24 +184,14 @@ def parse_answer(text: str) -> Any:
         raise AnswerValidationError("the answer has a number beyond the decimal range") from None
 
 
-_validators: OrderedDict[str, Any] = OrderedDict()
-_validators_lock = threading.Lock()
-
-
 def _validator(schema: object) -> Any:
-    """Bounded cache: validators hold a crawled registry worth reusing for repeated schemas."""
-    key = hashlib.sha256(canonical(schema).encode()).hexdigest()
-    with _validators_lock:
-        hit = _validators.get(key)
-        if hit is not None:
-            _validators.move_to_end(key)
-            return hit
-    validator = re2_validator(schema)
-    with _validators_lock:
-        _validators[key] = validator
-        while len(_validators) > _VALIDATOR_CACHE_SIZE:
-            _validators.popitem(last=False)
-    return validator
+    """Validators hold a crawled registry worth reusing for repeated schemas."""
+    return _validator_of(canonical(schema))
+
+
+@functools.lru_cache(maxsize=_VALIDATOR_CACHE_SIZE)
+def _validator_of(canonical_schema: str) -> Any:
+    return re2_validator(json.loads(canonical_schema))
 
 
 def validate_answer(constraint: OutputConstraint, text: str) -> None:

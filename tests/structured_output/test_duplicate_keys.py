@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -401,23 +400,15 @@ class TargetModel(torch.nn.Module):
 
 
 def _admitted(engine, schema: dict):
-    from atom.structured_output.validation import (
-        StructuredOutputSpec,
-        api_fingerprint,
-        parse_chat_response_format,
-    )
+    from test_engine_integration import admit
+
+    from atom.structured_output.validation import StructuredOutputSpec, parse_chat_response_format
 
     fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
     spec = StructuredOutputSpec.of(parse_chat_response_format(fmt), None)
-    vocab = engine.hf_config.vocab_size
-    fingerprint = api_fingerprint(engine.tokenizer, engine.eos_token_ids, vocab)
-    deadline = time.monotonic() + 120
-    while True:
-        (answer,) = engine.collective_rpc("structured_output_admit", spec, fingerprint, vocab)
-        if answer["status"] != "pending" or time.monotonic() > deadline:
-            assert answer["status"] == "ready", answer
-            return spec
-        time.sleep(0.02)
+    answer = admit(engine, spec)
+    assert answer["status"] == "ready", answer
+    return spec
 
 
 def _generate(engine, request_id: str, prompt: list[int], params):

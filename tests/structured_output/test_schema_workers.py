@@ -140,3 +140,16 @@ def test_formats_are_checked() -> None:
         schema = {"type": "string", "format": name}
         assert answer_error("json_schema", schema, json.dumps(good)) is None, name
         assert answer_error("json_schema", schema, json.dumps(bad)) is not None, name
+
+
+def test_a_format_without_checker_is_refused(monkeypatch) -> None:
+    """Every format the grammar asserts has a final checker; without one, preflight refuses."""
+    from atom.structured_output import formats, schema
+
+    assert schema.GRAMMAR_FORMATS <= set(formats.CHECKERS)
+    fmt = chat_format({"type": "string", "format": "uuid"})
+    assert fmt.prepare().prepared.lowered["format"] == "uuid"
+    monkeypatch.delitem(formats.CHECKERS, "uuid")
+    with pytest.raises(FormatError, match="format 'uuid' is not supported") as info:
+        fmt.prepare()
+    assert "/format" in info.value.message
