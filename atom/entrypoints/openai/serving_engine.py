@@ -104,8 +104,8 @@ async def structured_output_preflight(
 
     try:
         read = so.read_chat_response_format if endpoint == "chat" else so.read_responses_text_format
-        fmt = read(fmt)
-        if fmt is None:
+        output_format = read(fmt)
+        if output_format is None:
             return None
         so.check_request_features(
             stop=list(params.stop or []),
@@ -118,7 +118,7 @@ async def structured_output_preflight(
             speculative=getattr(serving.engine_config, "speculative_config", None) is not None,
             param=param,
         )
-        constraint = await serving.schema_workers.prepare(fmt)
+        constraint = await serving.schema_workers.prepare(output_format)
     except so.FormatError as e:
         raise bad_request(
             e.message, param=e.param, code=getattr(e, "code", "invalid_response_format")
