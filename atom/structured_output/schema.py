@@ -333,22 +333,6 @@ _NEG_COUNTS = {
 }
 
 
-_ONE_BRANCH = frozenset(("type", "const", "enum", "anyOf", "$ref", *_NEG_BOUNDS, *_NEG_COUNTS))
-
-
-def _complement_size(key: str, value: Any) -> int:
-    """How many branches ``_negate_keyword`` makes for a keyword (at most), known before."""
-    if key in ("required", "allOf"):
-        return len(value)
-    if key == "properties":
-        return sum(sub is not True for sub in value.values())
-    if key == "prefixItems":
-        return sum(sub is not True for sub in value)
-    if key == "items":
-        return int(value is False)
-    return int(key in _ONE_BRANCH)
-
-
 class _Lowerer:
     def __init__(self, base: str) -> None:
         self.base = base
@@ -475,66 +459,74 @@ class _Lowerer:
         schema = self.deref(schema, pointer)
         if isinstance(schema, bool):
             return not schema
-        size = sum(_complement_size(key, value) for key, value in schema.items())
-        self.budget.reserve(pointer, entries=size)  # before building any branch
         branches: list = []
         for key, value in schema.items():
             branches.extend(self._negate_keyword(schema, key, value, pointer))
         return _any_of(branches)
 
     def _negate_keyword(self, schema: dict, key: str, value: Any, pointer: str) -> list:
+        """The branches of one keyword's complement, each charged to the budget just before it is
+        built."""
+        if key in ("properties", "prefixItems", "allOf"):
+            return self._negate_members(key, value, pointer)
+        if key == "required":
+            self.budget.reserve(pointer, entries=len(value))
+            return [{"type": "object", "properties": {name: False}} for name in value]
+        branch = self._negate_one(schema, key, value, pointer)
+        if branch is None:
+            return []
+        self.budget.reserve(pointer, entries=1)
+        return [branch()]
+
+    def _negate_one(self, schema: dict, key: str, value: Any, pointer: str) -> Any:
+        """A builder of the single branch of this keyword's complement (None: no branch)."""
         if key == "type":
             names = set(_types(value))
             if "integer" in names and "number" not in names:
                 raise _Unsupported("the complement of integer (non-integral numbers)", pointer)
             rest = [t for t in TYPES if t not in names]
-            return [{"type": rest}] if rest else []
+            return (lambda: {"type": rest}) if rest else None
         if key in _NEG_BOUNDS:
             kind, opposite = _NEG_BOUNDS[key]
-            return [{"type": kind, opposite: value}]
+            return lambda: {"type": kind, opposite: value}
         if key in _NEG_COUNTS:
             kind, opposite, delta = _NEG_COUNTS[key]
             bound = int(value) + delta
-            return [] if bound < 0 else [{"type": kind, opposite: bound}]
-        if key == "required":
-            return [{"type": "object", "properties": {name: False}} for name in value]
-        if key == "properties":
-            out = []
-            for name, sub in value.items():
-                if sub is not True:
-                    neg = self.negate(sub, pointer)
-                    out.append({"type": "object", "required": [name], "properties": {name: neg}})
-            return out
-        if key == "prefixItems":
-            return [
-                {
-                    "type": "array",
-                    "minItems": i + 1,
-                    "prefixItems": [True] * i + [self.negate(s, pointer)],
-                }
-                for i, s in enumerate(value)
-                if s is not True
-            ]
-        if key == "items":
-            if value is True:
-                return []
-            if value is False:
-                return [{"type": "array", "minItems": len(schema.get("prefixItems", [])) + 1}]
-        if key == "additionalProperties" and value is True:
-            return []
-        if key == "const":
-            return [self.negate_literals([value], pointer)]
-        if key == "enum":
-            return [self.negate_literals(value, pointer)]
+            return None if bound < 0 else lambda: {"type": kind, opposite: bound}
+        if key == "items" and value is False:
+            return lambda: {"type": "array", "minItems": len(schema.get("prefixItems", [])) + 1}
+        if (key == "items" and value is True) or (key == "additionalProperties" and value is True):
+            return None
+        if key in ("const", "enum"):
+            literals = [value] if key == "const" else value
+            return lambda: self.negate_literals(literals, pointer)
         if key == "anyOf":
-            return [_all_of([self.negate(s, pointer) for s in value])]
-        if key == "allOf":
-            return [self.negate(s, pointer) for s in value]
+            return lambda: _all_of([self.negate(s, pointer) for s in value])
         if key == "$ref":
-            return [self.negate({"$ref": value}, pointer)]
+            return lambda: self.negate({"$ref": value}, pointer)
         if key == "pattern":
             raise _Unsupported("general regular-expression negation is unsupported", pointer)
         raise _Unsupported(f"no exact complement for {key}", pointer)
+
+    def _negate_members(self, key: str, value: Any, pointer: str) -> list:
+        """Not allOf: some member fails. Not properties / prefixItems: some member is present and
+        fails its schema. One branch per member, charged before its complement is built (a
+        member without complement fails before its later siblings cost anything)."""
+        members = value.items() if key == "properties" else enumerate(value)
+        out = []
+        for name, sub in members:
+            if sub is True:
+                continue
+            self.budget.reserve(pointer, entries=1)
+            negated = self.negate(sub, pointer)
+            if key == "allOf":
+                out.append(negated)
+            elif key == "properties":
+                out.append({"type": "object", "required": [name], "properties": {name: negated}})
+            else:
+                prefix = [True] * name + [negated]
+                out.append({"type": "array", "minItems": name + 1, "prefixItems": prefix})
+        return out
 
     def negate_literals(self, values: list, pointer: str) -> dict | bool:
         """Everything except a finite set of literals: one complement for the scalars, and one

@@ -489,15 +489,25 @@ def test_key_is_stable_and_content_addressed() -> None:
 
 
 def test_complement_budget_is_reserved_before_building(monkeypatch) -> None:
-    """A complement over the budget fails before any of its branches exists."""
-    built = []
-    original = S._Lowerer._negate_keyword
+    """Each branch of a complement is charged before it is built: with members worth two entries
+    each (the member's branch and its bound's), the budget pays for half as many members and the
+    next member's complement is never built."""
+    calls = []
+    original = S._Lowerer.negate
     monkeypatch.setattr(
-        S._Lowerer, "_negate_keyword", lambda self, *a: built.append(a[1]) or original(self, *a)
+        S._Lowerer, "negate", lambda self, *a: calls.append(1) or original(self, *a)
     )
-    names = [f"p{i}" for i in range(S.BUDGET_ENTRIES + 1)]
+    members = [{"minimum": i} for i in range(S.BUDGET_ENTRIES)]
     with pytest.raises(BudgetError):
-        prepare_schema({"type": "object", "not": {"required": names}})
-    assert built == []
-    prepare_schema({"type": "object", "not": {"required": names[:8]}})
-    assert built == ["required"]
+        prepare_schema({"type": "number", "not": {"allOf": members}})
+    assert len(calls) == 1 + S.BUDGET_ENTRIES // 2
+    with pytest.raises(BudgetError):
+        prepare_schema({"type": "object", "not": {"required": [f"p{i}" for i in range(300)]}})
+
+
+def test_a_member_without_complement_falls_back_before_the_budget_is_spent() -> None:
+    """``not allOf`` of 300 patterns over a finite domain: the first pattern has no complement,
+    so the finite enumeration applies instead of a budget error."""
+    patterns = [{"pattern": f"^v[0-9]$|z{i}"} for i in range(300)]
+    lowered = prepare_schema({"enum": ["v1", "w"], "not": {"allOf": patterns}}).lowered
+    assert lowered["allOf"] == [{"enum": ["w"]}]
