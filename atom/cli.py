@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import get_args
 
-from atom.config import EngineConfig, ServerConfig
+from atom.config import EngineConfig, ServerConfig, StructuredOutputWhitespace
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -50,6 +51,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="share of free GPU memory given to the KV cache on CUDA",
     )
     g.add_argument("--seed", type=int, default=d.seed, help="engine seed")
+    g.add_argument(
+        "--structured-output-whitespace",
+        default=d.structured_output_whitespace,
+        choices=get_args(StructuredOutputWhitespace),
+        help="JSON whitespace allowed in constrained answers: none, one space, one space or a "
+        "newline plus indentation, any run (default: %(default)s)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -67,6 +75,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
+        structured_output_whitespace=args.structured_output_whitespace,
     )
 
 

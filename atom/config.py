@@ -29,7 +29,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     seed: int = 0
-    structured_output_whitespace: StructuredOutputWhitespace = "flexible"
+    structured_output_whitespace: StructuredOutputWhitespace = "space"
 
     def __post_init__(self) -> None:
         if self.structured_output_whitespace not in get_args(StructuredOutputWhitespace):

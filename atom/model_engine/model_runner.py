@@ -222,6 +222,7 @@ class ModelRunner:
                 vocab_size=head,
                 lm_head_size=head,
                 stop_token_ids=_eos_ids(self.hf_config, tokenizer),
+                whitespace=self.config.structured_output_whitespace,
             )
         except Exception as e:  # noqa: BLE001 - every later admission reports it
             logger.exception("structured output initialization failed")

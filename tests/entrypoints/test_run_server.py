@@ -1,5 +1,6 @@
 """`atom serve` start-up: a broken model is a one-line error with exit 1; a good one logs the
-model, dtype, device, KV capacity and listening address, then serves."""
+model, dtype, device, KV capacity and listening address, then serves. Engine flags reach
+`EngineConfig`; argparse refuses values outside their choices."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from atom.cli import build_parser, engine_config_from_args
 from atom.config import EngineConfig, ServerConfig
 from atom.entrypoints.openai.api_server import run_server
 
@@ -27,6 +29,18 @@ def test_broken_model_path_is_one_line_and_exit_1(tmp_path, capsys):
     (broken / "config.json").write_text("{not json")
     assert run_server(EngineConfig(model=str(broken)), ServerConfig(port=1)) == 1
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_structured_output_whitespace_flag(command, capsys):
+    prompt = ["hi"] if command == "generate" else []
+    flag = "--structured-output-whitespace"
+    args = build_parser().parse_args([command, *prompt, flag, "compact"])
+    assert engine_config_from_args(args).structured_output_whitespace == "compact"
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([command, *prompt, flag, "tabs"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'tabs'" in capsys.readouterr().err
 
 
 def test_unknown_adapter_is_one_line_and_exit_1(capsys):

@@ -43,10 +43,15 @@ def files(tmp_path: Path) -> dict[str, str]:
 @pytest.fixture
 def fast_tokenizer(monkeypatch) -> None:
     """The worker backend's strict compile, over a byte tokenizer instead of SmolLM2's."""
-    from atom.structured_output.backend_guidance import GuidanceBackend, parser_limits
+    from atom.structured_output.backend_guidance import (
+        JSON_OPTIONS,
+        GuidanceBackend,
+        parser_limits,
+    )
 
     backend = object.__new__(GuidanceBackend)
     backend.ll_tokenizer, backend.limits = byte_tokenizer(), parser_limits()
+    backend.json_options = JSON_OPTIONS
     monkeypatch.setattr(schema_check, "_compiler", lambda spec: backend.grammar)
 
 
