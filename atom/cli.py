@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import get_args
+from typing import Any, get_args
 
 from atom.config import EngineConfig, ServerConfig, StructuredOutputWhitespace
 
@@ -94,6 +94,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="deployment adapter advertised on /v1/models (default: derived from the checkpoint)",
     )
     serve.add_argument("--log-level", default=s.log_level, help="uvicorn log level")
+    serve.add_argument(
+        "--structured-output-processes",
+        type=_positive(int),
+        default=s.structured_output_processes,
+        help="worker processes for schema preparation and final answer validation",
+    )
+    serve.add_argument(
+        "--structured-output-budget",
+        type=_positive(float),
+        default=s.structured_output_budget_s,
+        help="seconds one schema preparation or final validation may take before that request "
+        "fails (default: %(default)s)",
+    )
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt (offline)")
     _add_engine_args(gen)
@@ -109,13 +122,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive(kind: type) -> Any:
+    """An argparse type: a number of ``kind`` above zero."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+        return value
+
+    return parse
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        model_adapter=args.model_adapter,
+        log_level=args.log_level,
+        structured_output_processes=args.structured_output_processes,
+        structured_output_budget_s=args.structured_output_budget,
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     from atom.entrypoints.openai.api_server import run_server
 
-    server = ServerConfig(
-        host=args.host, port=args.port, model_adapter=args.model_adapter, log_level=args.log_level
-    )
-    return run_server(engine_config_from_args(args), server)
+    return run_server(engine_config_from_args(args), server_config_from_args(args))
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from atom.cli import build_parser, engine_config_from_args
+from atom.cli import build_parser, engine_config_from_args, server_config_from_args
 from atom.config import EngineConfig, ServerConfig
 from atom.entrypoints.openai.api_server import run_server
 
@@ -41,6 +41,16 @@ def test_structured_output_whitespace_flag(command, capsys):
         build_parser().parse_args([command, *prompt, flag, "tabs"])
     assert exc.value.code == 2
     assert "invalid choice: 'tabs'" in capsys.readouterr().err
+
+
+def test_structured_output_worker_flags(capsys):
+    flags = ["--structured-output-processes", "3", "--structured-output-budget", "2.5"]
+    config = server_config_from_args(build_parser().parse_args(["serve", *flags]))
+    assert (config.structured_output_processes, config.structured_output_budget_s) == (3, 2.5)
+    for bad in (["--structured-output-processes", "0"], ["--structured-output-budget", "-1"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", *bad])
+        assert "must be above 0" in capsys.readouterr().err
 
 
 def test_unknown_adapter_is_one_line_and_exit_1(capsys):
