@@ -61,14 +61,14 @@ def _serve(conn: Any) -> None:
 
 
 def _prepare(schema: object) -> tuple:
-    """``("ok", PreparedSchema)`` or ``("error", message, pointer)``: exceptions with extra
-    fields do not pickle faithfully."""
+    """``("ok", PreparedSchema)`` or ``("error", message with the JSON pointer)``: exceptions
+    with extra fields do not pickle faithfully."""
     from atom.structured_output.schema import SchemaError, prepare_schema
 
     try:
         return ("ok", prepare_schema(schema))
     except SchemaError as exc:
-        return ("error", exc.message, exc.pointer)
+        return ("error", str(exc))
 
 
 class _Worker:
@@ -127,7 +127,8 @@ class SchemaWorkers:
 
     async def prepare(self, fmt: OutputFormat) -> OutputConstraint:
         """The checked and lowered constraint of ``fmt``; ``FormatError`` (a 400 naming the
-        schema field) when the schema is refused or its preparation overruns the budget."""
+        schema field) when the schema is refused or its preparation overruns the budget. Both
+        outcomes are cached: a repeated schema, even a hostile one, costs a lookup."""
         if fmt.kind == "json_object":
             return fmt.prepare()
         key = _cache_key(fmt.schema)
@@ -136,16 +137,12 @@ class SchemaWorkers:
             try:
                 outcome = await self._run("prepare", fmt.schema)
             except BudgetExceeded:
-                raise FormatError(
-                    f"schema preparation took longer than its {self.budget_s:g} s budget",
-                    fmt.schema_param,
-                ) from None
+                outcome = ("error", f"schema preparation took longer than {self.budget_s:g} s")
             except WorkerFailed as exc:
                 raise FormatError(f"schema preparation failed: {exc}", fmt.schema_param) from None
             self._remember(key, outcome)
         if outcome[0] == "error":
-            _, message, pointer = outcome
-            raise FormatError(f"{message} (at JSON pointer '{pointer}')", fmt.schema_param)
+            raise FormatError(outcome[1], fmt.schema_param)
         return fmt.constrained(outcome[1])
 
     async def validate(self, constraint: OutputConstraint, text: str) -> str | None:

@@ -82,11 +82,15 @@ def test_overrun_fails_that_call_alone() -> None:
 
     async def run():
         await pool.prepare(chat_format(SMALL))  # the process is up before the budget counts
-        with pytest.raises(FormatError, match="budget") as info:
+        with pytest.raises(FormatError, match="longer than 0.5 s") as info:
             await pool.prepare(chat_format(slow_schema()))
         assert info.value.param == "response_format.json_schema.schema"
         other = await pool.prepare(chat_format({**SMALL, "title": "after the overrun"}))
         assert await pool.validate(other, '{"a": 2}') is None
+        assert pool.num_cached == 3
+        pool.close()  # the overrun is cached too: no process is needed to refuse it again
+        with pytest.raises(FormatError, match="longer than 0.5 s"):
+            await pool.prepare(chat_format(slow_schema()))
 
     try:
         asyncio.run(run())
