@@ -42,7 +42,10 @@ DIALECT = "https://json-schema.org/draft/2020-12/schema"
 MAX_DEPTH = 128
 MAX_REF_DEPTH = 64
 MAX_NEGATED_LITERAL = 256
-MAX_EXACT_INTEGER = 2**53
+MAX_EXACT_INTEGER = 2**53  # literals: the grammar compiler reads numbers as 64-bit floats
+# Bounds: the grammar compiler reads integers as 64-bit (signed or unsigned) and rounds them at
+# the boundary, where the final check is exact.
+BOUND_INTEGERS = range(-(2**63), 2**64)
 BUDGET_ENTRIES = 256
 BUDGET_EVALUATIONS = 4_096
 BUDGET_REGEX_CHARS = 262_144
@@ -146,17 +149,16 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _inexact_integers(value: object) -> bool:
-    """Whether a JSON value holds an integer the grammar compiler would round (it reads
-    numbers as 64-bit floats, exact only up to 2**53)."""
+def _has_integer_beyond(value: object, limit: int) -> bool:
+    """Whether a JSON value holds an integer of magnitude above ``limit``."""
     if isinstance(value, bool):
         return False
     if isinstance(value, int):
-        return abs(value) > MAX_EXACT_INTEGER
+        return abs(value) > limit
     if isinstance(value, list):
-        return any(_inexact_integers(v) for v in value)
+        return any(_has_integer_beyond(v, limit) for v in value)
     if isinstance(value, dict):
-        return any(_inexact_integers(v) for v in value.values())
+        return any(_has_integer_beyond(v, limit) for v in value.values())
     return False
 
 
@@ -170,10 +172,12 @@ def _is_dependencies(value: object) -> bool:
 
 def _check_keyword(key: str, value: object, pointer: str) -> None:
     """Value shapes of draft 2020-12 keywords (the meta-schema, without its regex format)."""
-    if key in (*_NUMBERS, "multipleOf", "const", "enum") and _inexact_integers(value):
+    if key in ("const", "enum") and _has_integer_beyond(value, MAX_EXACT_INTEGER):
         raise SchemaError(
             f"integers beyond +/-2**53 cannot be enforced exactly by the grammar ({key})", pointer
         )
+    if key in (*_NUMBERS, "multipleOf") and _is_int(value) and int(value) not in BOUND_INTEGERS:
+        raise SchemaError(f"{key} outside the grammar compiler's 64-bit integers", pointer)
     bad = None
     if key in _NON_NEG_INT:
         bad = not (_is_int(value) and value >= 0)
