@@ -10,7 +10,7 @@ For each schema of ``../shared/data/maskbench`` (``--limit N`` per subset), in o
   hits the ready-cache and binds a request matcher; raw deep-copies a kept matcher);
 - mask time per token along every valid instance (ours through the runner's path,
   ``MaskBuffers.host_rows`` + ``StructuredOutputManager.fill_masks``, then ``commit``; raw
-  through ``fill_bitmask_row``: llguidance's pointer API behind the usual buffer checks), both sides stepped in lock step token by token so that they see
+  through ``llguidance.torch.fill_next_token_bitmask``: its pointer API behind buffer checks), both sides stepped in lock step token by token so that they see
   the same machine load, and valid instances the grammar accepts;
 - invalid instances accepted: raw = the grammar accepts it; ours = the grammar accepts it *and*
   the final validator passes it (an invalid success; must be 0).
@@ -124,7 +124,8 @@ class Ours:
         self.buffers = MaskBuffers(VOCAB)  # the runner's reusable host rows
 
     def compile(self, schema: Any) -> tuple[Any, str | None]:
-        from atom.structured_output.validation import FormatError, parse_chat_response_format
+        from atom.entrypoints.openai.protocol import parse_chat_response_format
+        from atom.structured_output.spec import FormatError
 
         try:
             fmt = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
@@ -138,14 +139,14 @@ class Ours:
 
     def cached(self, schema: Any) -> None:
         constraint, _ = self.compile(schema)
-        self.mgr.bind("cached", constraint.prepared.key)
+        self.mgr.prepare("cached", constraint)
         self.mgr.release("cached")
 
     def start(self, constraint: Any) -> _OursRun:
         return _OursRun(self, constraint)
 
     def success(self, constraint: Any, text: str) -> bool:
-        from atom.structured_output.validation import AnswerValidationError, validate_answer
+        from atom.structured_output.answer import AnswerValidationError, validate_answer
 
         try:
             validate_answer(constraint, text)
@@ -191,7 +192,8 @@ class _OursRun:
     def __init__(self, ours: Ours, constraint: Any) -> None:
         self.mgr, self.buffers = ours.mgr, ours.buffers
         self.eos = ours.mgr.backend.stop_token_ids[0]
-        self.state = self.mgr.bind("run", constraint.prepared.key)
+        self.mgr.prepare("run", constraint)
+        self.state = self.mgr.state("run")
 
     def fill(self) -> None:
         self.mgr.fill_masks(self.buffers.host_rows(1), [("run", [])])
@@ -207,13 +209,13 @@ class _OursRun:
 
 
 class _RawRun:
-    """A deep copy of the raw template matcher, masks via ``fill_bitmask_row``."""
+    """A deep copy of the raw template matcher, masks via ``llguidance.torch``."""
 
     def __init__(self, raw: Raw, template: Any) -> None:
-        from atom.structured_output.utils import fill_bitmask_row
+        from llguidance.torch import fill_next_token_bitmask
 
         self.matcher, self.mask, self.eos = template.deep_copy(), raw.mask, raw.eos
-        self._fill = fill_bitmask_row
+        self._fill = fill_next_token_bitmask
 
     def fill(self) -> None:
         self._fill(self.matcher, self.mask, 0)

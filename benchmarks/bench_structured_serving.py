@@ -41,7 +41,7 @@ ratios are the median over repeats of the per-repeat paired ratio, with min and 
 - A/A control = plain2 / plain
 
 The model runner's structured-output hooks are also timed inside each step of the parent
-process (`_grammar_sync` and `apply_logits_mask`, wrapped on the instance): their time per window
+process (the rank's `StructuredOutputWorker.commit` and `mask_logits`, wrapped on the instance): their time per window
 step, as a share of the plain TPOT, is the part of the overhead the runner's grammar work
 accounts for, measured without the run-to-run noise of a shared machine.
 
@@ -134,8 +134,8 @@ def prompts_for(engine, n: int) -> list[list[int]]:
 
 class StepTimer:
     """Records, per `engine.step()`, the batch the scheduler built and (with `grammar=True`)
-    the time the model runner spent in its structured-output hooks (`_grammar_sync`: commit
-    accepted tokens; `apply_logits_mask`: fill and apply masks). It wraps methods of this
+    the time the rank spent in its structured-output hooks (`commit`: accepted tokens;
+    `mask_logits`: fill and apply masks). It wraps methods of this
     engine's instances; nothing in `atom` is changed. The `never` process wraps only the
     scheduler, so nothing of the runner path differs there."""
 
@@ -154,8 +154,9 @@ class StepTimer:
         self.scheduler.schedule = recording_schedule
         if grammar:
             (runner,) = engine.executor.workers
-            for name in ("_grammar_sync", "apply_logits_mask"):
-                setattr(runner, name, self._timed(getattr(runner, name)))
+            worker = runner.structured_output
+            for name in ("commit", "mask_logits"):
+                setattr(worker, name, self._timed(getattr(worker, name)))
 
     def _timed(self, fn):
         def timed(*a, **kw):
@@ -238,7 +239,7 @@ def child(args) -> None:
 
 
 def admit(engine, spec) -> None:
-    from atom.structured_output.validation import api_fingerprint
+    from atom.structured_output.admission import api_fingerprint
 
     vocab = engine.hf_config.vocab_size
     fp = api_fingerprint(engine.tokenizer, engine.eos_token_ids, vocab)
@@ -400,12 +401,9 @@ def main() -> None:
     if never_proc.stdout.readline().strip() != "ready":
         raise SystemExit("the `never` process did not start")
 
-    from atom.structured_output.validation import (
-        AnswerValidationError,
-        StructuredOutputSpec,
-        parse_chat_response_format,
-        validate_answer,
-    )
+    from atom.entrypoints.openai.protocol import parse_chat_response_format
+    from atom.structured_output.answer import AnswerValidationError, validate_answer
+    from atom.structured_output.spec import StructuredOutputSpec
 
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     spec = StructuredOutputSpec.of(parse_chat_response_format(rf), None)

@@ -55,8 +55,9 @@ ADMIT_TIMEOUT_S = 300.0
 def sample_schemas(tokenizer: Any, per_subset: int, max_chars: int, seed: int) -> list[dict]:
     """``per_subset`` schemas of each subset, in seeded order, that the preflight accepts and
     the worker backend compiles (in a fixed mode, so that the sample never follows the default)."""
+    from atom.entrypoints.openai.protocol import parse_chat_response_format
     from atom.structured_output.backend_guidance import GrammarError, GuidanceBackend
-    from atom.structured_output.validation import FormatError, parse_chat_response_format
+    from atom.structured_output.spec import FormatError
 
     backend = GuidanceBackend(tokenizer, len(tokenizer), whitespace="flexible")
     rng = random.Random(seed)
@@ -86,7 +87,7 @@ def sample_schemas(tokenizer: Any, per_subset: int, max_chars: int, seed: int) -
 
 def admit(engine: Any, spec: Any) -> str | None:
     """The admission RPC, polled like the API does; an error message or None when ready."""
-    from atom.structured_output.validation import api_fingerprint
+    from atom.structured_output.admission import api_fingerprint
 
     vocab = engine.hf_config.vocab_size
     fp = api_fingerprint(engine.tokenizer, engine.eos_token_ids, vocab)
@@ -100,7 +101,7 @@ def admit(engine: Any, spec: Any) -> str | None:
 
 
 def is_valid(constraint: Any, output: Any) -> bool:
-    from atom.structured_output.validation import AnswerValidationError, validate_answer
+    from atom.structured_output.answer import AnswerValidationError, validate_answer
 
     if output.finish_reason != "stop":
         return False
@@ -116,7 +117,7 @@ def run_mode(mode: str, items: list[dict], args: argparse.Namespace) -> dict:
     from atom.config import EngineConfig
     from atom.llm import LLM
     from atom.sampling_params import SamplingParams
-    from atom.structured_output.validation import StructuredOutputSpec
+    from atom.structured_output.spec import StructuredOutputSpec
 
     config = EngineConfig(
         model=args.model,

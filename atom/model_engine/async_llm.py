@@ -10,8 +10,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from atom.config import EngineConfig
-from atom.model_engine.engine_core import GrammarPending, SubmissionRejected
-from atom.model_engine.llm_engine import _RETRY_FIRST_S, _RETRY_MAX_S, BIND_TIMEOUT_S, LLMEngine
+from atom.model_engine.llm_engine import LLMEngine
 from atom.model_engine.output import EngineStats, RequestOutput
 from atom.sampling_params import SamplingParams
 
@@ -53,7 +52,7 @@ class AsyncLLM:
             self._queues[request_id] = (asyncio.get_running_loop(), q)
         finished = False
         try:
-            await self._submit(request_id, prompt_token_ids, params)
+            self.engine.add_request(request_id, prompt_token_ids, params)
         except BaseException:
             with self._lock:
                 self._queues.pop(request_id, None)
@@ -68,46 +67,6 @@ class AsyncLLM:
                 self._queues.pop(request_id, None)
             if not finished:
                 self.engine.abort_request([request_id])
-
-    async def _submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> None:
-        """Queue a request. A constrained one is awaited until the engine core has bound it on
-        every rank and enqueued it (retried while an evicted grammar recompiles in a worker's
-        background executor). A cancelled submission is settled before its id is aborted, so
-        no enqueue can land after the caller's cleanup; a refused one leaves nothing bound."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + BIND_TIMEOUT_S
-        delay = _RETRY_FIRST_S
-        while True:
-            future = self.engine.submit_request(request_id, prompt_token_ids, params)
-            if future is None:
-                return
-            wrapped = asyncio.wrap_future(future)
-            try:
-                await asyncio.shield(wrapped)
-            except asyncio.CancelledError:
-                with contextlib.suppress(Exception):
-                    await wrapped  # settle: the core either enqueued it or refused it
-                if not future.cancelled() and future.exception() is None:
-                    self.engine.abort_request([request_id])
-                else:
-                    with contextlib.suppress(Exception):
-                        self.engine.settle_submission(request_id, future)
-                raise
-            except Exception:  # noqa: BLE001 - settled (and raised) just below
-                pass
-            try:
-                self.engine.settle_submission(request_id, future)
-                return
-            except GrammarPending:
-                if loop.time() > deadline:
-                    raise SubmissionRejected(
-                        "structured output: grammar compilation did not finish within "
-                        f"{BIND_TIMEOUT_S:.0f} s"
-                    ) from None
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, _RETRY_MAX_S)
 
     async def collective_rpc(self, method: str, *args, **kwargs) -> list:
         """Run a worker method on every rank of every replica; the event loop never blocks.

@@ -3,6 +3,13 @@
 It can be stepped inline (offline `LLM`) or run as a busy loop in a background thread (server),
 fed through an input queue of commands: add, abort and utility calls. A utility call runs a method
 of this core on the loop thread, either awaited (a Future) or fire-and-forget.
+
+Structured output: a constrained request waits in the scheduler until every rank has bound its
+grammar. Each step, while such requests wait, one collective RPC (`structured_output_prepare`)
+asks the ranks; a rank binds a request's own matcher as soon as its grammar is compiled (in that
+rank's background executor, never on this loop) and answers ready, pending or an error. An error
+on any rank ends the request with finish reason "error"; its grammar state is released on every
+rank, as on every other terminal path.
 """
 
 from __future__ import annotations
@@ -13,27 +20,25 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from atom.config import EngineConfig
 from atom.model_engine.block_manager import BlockManager
 from atom.model_engine.detokenizer import IncrementalDetokenizer
 from atom.model_engine.executor import Executor
 from atom.model_engine.output import RequestOutput, TokenLogprob
-from atom.model_engine.scheduler import Scheduler
+from atom.model_engine.scheduler import ScheduledBatch, Scheduler
 from atom.model_engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from atom.structured_output.manager import AdmissionResult
 
 logger = logging.getLogger(__name__)
 
 OutputHandler = Callable[[list[RequestOutput]], None]
 
-
-class SubmissionRejected(ValueError):
-    """A rank refused to bind a constrained request at submission; nothing stays bound."""
-
-
-class GrammarPending(Exception):
-    """A grammar evicted since admission is recompiling in a worker's background executor;
-    nothing was bound or enqueued: submit again shortly (the engine loop never compiles)."""
+# The busy loop's pause between grammar polls while nothing else can run.
+GRAMMAR_POLL_S = 0.005
 
 
 @dataclass
@@ -69,22 +74,11 @@ class EngineCore:
     # ---- inline API (the owning thread only) ----
 
     def add_request(self, seq: Sequence) -> None:
-        """Accept a request. A constrained one is first bound on every rank (its own matcher, so
-        cache eviction after this point cannot matter); a bind failure raises with nothing
-        bound and nothing enqueued."""
-        constrained = seq.params.structured_output is not None
-        if constrained:
-            self._bind_structured([seq])
-        try:
-            self.states[seq.request_id] = _RequestState(
-                seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params)
-            )
-            self.scheduler.add(seq)
-        except BaseException:
-            self.states.pop(seq.request_id, None)
-            if constrained:
-                self.release_structured([seq.request_id])
-            raise
+        """Accept a request (a constrained one waits in the scheduler for its grammar)."""
+        self.states[seq.request_id] = _RequestState(
+            seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params)
+        )
+        self.scheduler.add(seq)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for seq in self.scheduler.abort(request_ids):
@@ -96,55 +90,65 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self.scheduler.num_waiting_for_grammar:
+            outputs += self._poll_grammars()
         batch = self.scheduler.schedule()
-        if not batch.seqs and not batch.finished_seq_ids:
-            return outputs
+        if batch.seqs or batch.finished_seq_ids:
+            outputs += self._run(batch)
+        self._flush_grammar_release()
+        return outputs
+
+    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Execute one batch and process what it sampled."""
         try:
             result = self.executor.execute_model(batch)
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
             logger.exception("model step failed")
-            for seq in list(batch.seqs):
-                self.scheduler.finish(seq, "error")
-                outputs.append(self._output(self.states[seq.request_id], [], error=repr(e)))
-            self._flush_grammar_release()
-            return outputs
-        for seq in self.scheduler.update(batch, result.token_ids):
-            outputs.append(self._process(seq, result.logprobs.get(seq.seq_id)))
+            return [self._fail(seq, repr(e)) for seq in list(batch.seqs)]
+        outputs = [
+            self._process(seq, result.logprobs.get(seq.seq_id))
+            for seq in self.scheduler.update(batch, result.token_ids)
+        ]
         if result.errors:  # structured-output failures end only their own requests
             for seq in batch.seqs:
                 error = result.errors.get(seq.seq_id)
                 if error is not None and not seq.is_finished:
-                    self.scheduler.finish(seq, "error")
-                    outputs.append(self._output(self.states[seq.request_id], [], error=error))
-        self._flush_grammar_release()
+                    outputs.append(self._fail(seq, error))
         return outputs
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        self.scheduler.finish(seq, "error")
+        return self._output(self.states[seq.request_id], [], error=error)
 
     def collective_rpc(self, method: str, *args, timeout: float | None = None, **kwargs) -> list:
         return self.executor.collective_rpc(method, *args, timeout=timeout, **kwargs)
 
     # ---- structured output ownership ----
 
-    def _bind_structured(self, seqs: list[Sequence]) -> None:
-        """Bind these constrained requests on every rank through the executor (collective).
-        On any failure the locally held list is released on every rank (idempotent there) and
-        the submission fails: `GrammarPending` (retry) or `SubmissionRejected`."""
-        ids = [s.request_id for s in seqs]
+    def _poll_grammars(self) -> list[RequestOutput]:
+        """Ask every rank about the requests waiting for their grammar (see the module
+        docstring): ready on every rank -> schedulable; an error on any rank -> finished with
+        "error" (released on every rank with the other finished requests of this step)."""
+        seqs = self.scheduler.waiting_for_grammar()
         items = [(s.request_id, s.params.structured_output) for s in seqs]
         try:
-            results = self.executor.collective_rpc("structured_output_bind", items)
-        except Exception as e:
-            self.release_structured(ids)
-            raise SubmissionRejected(f"structured output: binding failed: {e!r}") from None
-        failed = [r for r in results if r.get("status") != "ok"]
-        if not failed and results:
-            return
-        self.release_structured(ids)
-        errors = [r for r in failed if r.get("status") != "pending"]
-        if errors or not results:
-            r = errors[0] if errors else {"rank": "?", "message": "no rank answered"}
-            message = r.get("message") or "structured output: binding failed"
-            raise SubmissionRejected(f"{message} (rank {r.get('rank', '?')})")
-        raise GrammarPending(ids)
+            per_rank: list[dict[str, AdmissionResult]] = self.executor.collective_rpc(
+                "structured_output_prepare", items
+            )
+        except Exception as e:  # noqa: BLE001 - these requests fail, the engine keeps serving
+            logger.exception("structured output: grammar preparation failed")
+            return [self._fail(s, f"structured output: binding failed: {e!r}") for s in seqs]
+        outputs = []
+        for seq in seqs:
+            answers = [rank_answers[seq.request_id] for rank_answers in per_rank]
+            errors = [
+                f"{a.message} (rank {i})" for i, a in enumerate(answers) if a.status == "error"
+            ]
+            if errors:
+                outputs.append(self._fail(seq, f"structured output: {errors[0]}"))
+            elif answers and all(a.status == "ready" for a in answers):
+                self.scheduler.grammar_ready(seq)
+        return outputs
 
     def release_structured(self, request_ids: list[str]) -> None:
         """Drop these requests' grammar state on every rank (idempotent on the workers)."""
@@ -216,15 +220,10 @@ class EngineCore:
         )
         self._thread.start()
 
-    def submit_add(self, seq: Sequence) -> Future | None:
-        """Queue a request. A constrained one gets a Future settled once it was bound on every
-        rank and enqueued (result None) or refused (`SubmissionRejected` / `GrammarPending`);
-        ordinary requests stay fire-and-forget."""
-        future: Future | None = None
-        if seq.params.structured_output is not None:
-            future = Future()
-        self._command(("add", seq, future))
-        return future
+    def submit_add(self, seq: Sequence) -> None:
+        """Queue a request (fire-and-forget: whatever happens to it later is one of its
+        outputs)."""
+        self._command(("add", seq))
 
     def submit_abort(self, request_ids: list[str]) -> None:
         self._command(("abort", request_ids))
@@ -251,16 +250,7 @@ class EngineCore:
     def _handle(self, cmd: tuple) -> bool:
         kind = cmd[0]
         if kind == "add":
-            _, seq, future = cmd
-            if future is None:
-                self.add_request(seq)
-            elif future.set_running_or_notify_cancel():  # else the submitter gave up first
-                try:
-                    self.add_request(seq)
-                except Exception as e:  # noqa: BLE001 - reported to the submitter
-                    future.set_exception(e)
-                else:
-                    future.set_result(None)
+            self.add_request(cmd[1])
         elif kind == "abort":
             self.abort_requests(cmd[1])
         elif kind == "utility":
@@ -281,9 +271,8 @@ class EngineCore:
 
     def _busy_loop(self) -> None:
         while True:
-            idle = not self.has_unfinished()
             try:
-                cmd = self._inputs.get(block=idle)
+                cmd = self._next_command()
                 while True:
                     if not self._handle(cmd):
                         return
@@ -297,3 +286,12 @@ class EngineCore:
                 continue
             if outputs:
                 self._handler(outputs)
+
+    def _next_command(self) -> tuple:
+        """Block while idle; pause between grammar polls while nothing else can run; else do
+        not wait (raises `queue.Empty`)."""
+        if not self.has_unfinished():
+            return self._inputs.get()
+        if not self._pending and self.scheduler.only_waiting_for_grammar():
+            return self._inputs.get(timeout=GRAMMAR_POLL_S)
+        return self._inputs.get_nowait()

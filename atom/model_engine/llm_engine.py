@@ -9,46 +9,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
-from concurrent.futures import Future
 
 from atom.config import EngineConfig
-from atom.model_engine.engine_core import (
-    EngineCore,
-    GrammarPending,
-    OutputHandler,
-    SubmissionRejected,
-)
+from atom.model_engine.engine_core import EngineCore, OutputHandler
 from atom.model_engine.executor import InProcExecutor
 from atom.model_engine.output import EngineStats, RequestOutput
 from atom.model_engine.sequence import Sequence
-from atom.model_loader import ModelLoadError, resolve_model, served_name
+from atom.model_engine.tokenizer import eos_token_ids, load_tokenizer
+from atom.model_loader import resolve_model, served_name
 from atom.model_loader.weights import load_hf_config
 from atom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-# Constrained submissions retried while an evicted grammar recompiles in the background.
-BIND_TIMEOUT_S = 120.0
-_RETRY_FIRST_S, _RETRY_MAX_S = 0.002, 0.05
-
-
-def load_tokenizer(path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 - surfaced as a one-line load error
-        raise ModelLoadError(f"cannot load tokenizer from {path}: {e}") from None
-
-
-def _eos_ids(hf_config, tokenizer) -> list[int]:
-    ids: set[int] = set()
-    eos = getattr(hf_config, "eos_token_id", None)
-    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
 
 
 class LLMEngine:
@@ -59,7 +31,7 @@ class LLMEngine:
         self.model_name = served_name(config, path)
         self.hf_config = load_hf_config(path)
         self.tokenizer = load_tokenizer(config.tokenizer or path)
-        self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer)
         config = dataclasses.replace(config, model=str(path))
         self.executor = executor = InProcExecutor(config, path, self.hf_config)
         num_blocks = min(info["num_blocks"] for info in executor.collective_rpc("kv_cache_info"))
@@ -96,42 +68,11 @@ class LLMEngine:
         )
 
     def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        timeout_s: float = BIND_TIMEOUT_S,
-    ) -> None:
-        """Submit and wait until accepted. A constrained request is bound on every rank before
-        it is enqueued; while a grammar evicted since admission recompiles in the background
-        the submission is retried (this thread sleeps, the engine loop never compiles). A
-        refusal raises `ValueError` with nothing left bound."""
-        deadline = time.monotonic() + timeout_s
-        delay = _RETRY_FIRST_S
-        while True:
-            future = self.submit_request(request_id, prompt_token_ids, params)
-            if future is None:
-                return
-            future.exception()  # wait until bound and enqueued, or refused
-            try:
-                self.settle_submission(request_id, future)
-                return
-            except GrammarPending:
-                if time.monotonic() > deadline:
-                    raise SubmissionRejected(
-                        "structured output: grammar compilation did not finish within "
-                        f"{timeout_s:.0f} s"
-                    ) from None
-            time.sleep(delay)
-            delay = min(2 * delay, _RETRY_MAX_S)
-
-    def submit_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> Future | None:
-        """Validate and queue one submission. Ordinary requests: fire-and-forget (None).
-        Constrained requests: a Future settled after binding on every rank and enqueue, or
-        failed (`SubmissionRejected`, `GrammarPending`); pass it to `settle_submission`."""
+    ) -> None:
+        """Validate and queue one request (a `ValueError` names what is wrong). Nothing waits
+        here: a constrained request waits in its replica's scheduler until its grammar is bound
+        on every rank, and a grammar that cannot compile ends it with finish reason "error"."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.hf_config.vocab_size
@@ -148,15 +89,7 @@ class LLMEngine:
                 raise ValueError(f"duplicate request id {request_id!r}")
             core = min(self.cores, key=lambda c: c.scheduler.num_waiting + c.scheduler.num_running)
             self._route[request_id] = core
-        return core.submit_add(Sequence(request_id, prompt_token_ids, params))
-
-    def settle_submission(self, request_id: str, future: Future) -> None:
-        """The submitter's side of a constrained submission, once `future` is done: a refused
-        one drops its route (so the id can be submitted again), then its error is raised."""
-        if future.cancelled() or future.exception() is not None:
-            with self._lock:
-                self._route.pop(request_id, None)
-        future.result()
+        core.submit_add(Sequence(request_id, prompt_token_ids, params))
 
     def abort_request(self, request_ids: list[str]) -> None:
         with self._lock:

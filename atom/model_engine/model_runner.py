@@ -4,33 +4,33 @@ inputs -> forward -> [commit acknowledged grammar tokens] -> logits (ParallelLMH
 logprobs -> [grammar mask of constrained target rows] -> sampler.
 Every public method is callable by name through `Executor.collective_rpc`.
 
-Structured output (bracketed steps) is initialized on the first admission RPC, in a background
-thread, and touched only by batches that carry constrained requests: an ordinary batch imports
-nothing of `atom.structured_output`, allocates no mask buffer and loads no kernel.
+The bracketed steps and the `structured_output_*` RPCs belong to this rank's
+`StructuredOutputWorker`, created by the first of those RPCs; the runner only forwards to it, and
+only for batches that carry constrained requests: an ordinary batch imports nothing of
+`atom.structured_output`, allocates no mask buffer and loads no kernel.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from atom.config import EngineConfig
 from atom.model_engine.output import TokenLogprob
-from atom.model_engine.scheduler import GrammarUpdate, ScheduledBatch
+from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import Sequence
 from atom.model_loader.weights import build_model
 from atom.model_ops.attention import prepare_attention
 from atom.model_ops.context import AttentionContext, set_context
-from atom.model_ops.embed_head import ParallelLMHead
 from atom.model_ops.sampler import Sampler, SamplingTensors, compute_logprobs
 from atom.models.llama import head_dim_of
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from atom.structured_output.manager import AdmissionResult
+    from atom.structured_output.worker import StructuredOutputWorker
 
 CPU_KV_CACHE_BYTES = 512 * 1024**2
 
@@ -71,11 +71,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
         self._allocate_kv_cache(hf_config)
-        # Structured output, all lazy (see the module docstring).
-        self._so_manager: Any = None
-        self._so_init: threading.Thread | None = None
-        self._so_init_error: str | None = None
-        self._mask_buffers: Any = None
+        self._structured_output: StructuredOutputWorker | None = None  # see `structured_output`
 
     def _allocate_kv_cache(self, hf_config) -> None:
         """Size the paged cache by bytes (CPU default 512 MiB) or a share of free GPU memory."""
@@ -105,6 +101,18 @@ class ModelRunner:
     def describe(self) -> dict:
         return {"rank": self.rank, "device": str(self.device), "dtype": str(self.dtype)}
 
+    @property
+    def structured_output(self) -> StructuredOutputWorker:
+        """This rank's structured-output owner, created (cheaply: its initialization runs in a
+        background thread) by the first structured-output RPC; ordinary requests never do."""
+        if self._structured_output is None:
+            from atom.structured_output.worker import StructuredOutputWorker
+
+            self._structured_output = StructuredOutputWorker(
+                self.config, self.model_path, self.hf_config, self.model, self.device, self.rank
+            )
+        return self._structured_output
+
     @torch.inference_mode()
     def execute_model(self, batch: ScheduledBatch) -> RunnerOutput:
         for seq_id in batch.finished_seq_ids:
@@ -113,15 +121,16 @@ class ModelRunner:
             return RunnerOutput({}, {})
         input_ids, positions, rows = self._prepare_inputs(batch)
         hidden = self.model(input_ids, positions)
-        if batch.grammar_updates:  # after submitting the forward: host work overlaps it on GPU
-            self._grammar_sync(batch.grammar_updates)
+        grammar = self.structured_output if batch.has_constrained else None
+        if grammar is not None and batch.grammar_updates:  # host work overlaps the forward
+            grammar.commit(batch.grammar_updates)
         sample_seqs = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         if not sample_seqs:
             return RunnerOutput({}, {})
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         want = [s.params.logprobs for s in sample_seqs if s.params.logprobs is not None]
         raw_logprobs = logits.log_softmax(dim=-1) if want else None  # before any mask
-        errors = self.apply_logits_mask(logits, sample_seqs)
+        errors = grammar.mask_logits(logits, sample_seqs) if grammar is not None else {}
         token_ids = self.sampler(logits, self._sampling_tensors(sample_seqs))
         ids = token_ids.tolist()
         out = RunnerOutput(
@@ -139,172 +148,29 @@ class ModelRunner:
                     out.logprobs[s.seq_id] = TokenLogprob(ids[i], sampled[i], top)
         return out
 
-    def apply_logits_mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, str]:
-        """Grammar-mask the constrained rows of `logits` in place (after raw logprobs were taken,
-        before sampling). Returns structured-output errors by sequence id; those requests end
-        with "error" and their sampled token is dropped. A no-op for ordinary batches."""
-        rows = [i for i, s in enumerate(seqs) if s.params.structured_output is not None]
-        if not rows:
-            return {}
-        mgr = self._so_manager
-        errors: dict[int, str] = {}
-        live: list[tuple[str, tuple]] = []
-        live_rows: list[int] = []
-        for i in rows:
-            seq = seqs[i]
-            state = mgr.state(seq.request_id) if mgr is not None else None
-            message = None
-            if state is None:
-                message = "structured output: this request has no grammar state on this rank"
-            if message is None and state.error is not None:
-                message = state.error
-            if message is not None:
-                errors[seq.seq_id] = message
-                continue
-            live.append((seq.request_id, ()))
-            live_rows.append(i)
-        if not live:
-            return errors
-        if self._mask_buffers is None:
-            from atom.structured_output.utils import MaskBuffers
-
-            self._mask_buffers = MaskBuffers(logits.shape[1], self.device)
-        host = self._mask_buffers.host_rows(len(live))
-        mgr.fill_masks(host, live)
-        for (rid, _), i in zip(live, live_rows, strict=True):
-            error = mgr.error(rid)  # a matcher failure while masking: stop mask, then error
-            if error is not None:
-                errors[seqs[i].seq_id] = error
-        self._mask_buffers.apply(logits, len(live), live_rows)
-        return errors
-
-    # ---- structured output (worker side) ------------------------------------------------------
+    # ---- structured-output RPCs, answered by this rank's StructuredOutputWorker ---------------
 
     def structured_output_admit(
         self, spec: Any, api_fingerprint: str, vocab_size: int, wait_s: float = 0.0
     ) -> dict:
-        """Admission RPC: check this rank can enforce `spec` and compile it in the background.
+        return self.structured_output.admit(spec, api_fingerprint, vocab_size, wait_s)
 
-        Answers {"status": "ready" | "pending" | "error", "message", "rank"} without waiting for
-        a compile (wait_s=0 from the API): the engine loop is never held by compilation.
-        """
-        from atom import envs
-
-        def answer(status: str, message: str = "") -> dict:
-            return {"status": status, "message": message, "rank": self.rank}
-
-        if envs.enable_relaxed_mtp():
-            return answer("error", "structured output is disabled with relaxed MTP")
-        if not isinstance(getattr(self.model, "lm_head", None), ParallelLMHead):
-            return answer("error", "the target LM head is not a ParallelLMHead")
-        if self._so_init_error is not None:
-            return answer("error", self._so_init_error)
-        if self._so_manager is None:
-            if self._so_init is None:
-                self._so_init = threading.Thread(
-                    target=self._init_structured_output, name="atom-grammar-init", daemon=True
-                )
-                self._so_init.start()
-            return answer("pending")
-        result = self._so_manager.admit(spec, api_fingerprint, vocab_size, wait_s)
-        return answer(result.status, result.message)
-
-    def _init_structured_output(self) -> None:
-        """Background: this rank's tokenizer and grammar tokenizer (seconds for a big vocab)."""
-        try:
-            from atom.model_engine.llm_engine import _eos_ids, load_tokenizer
-            from atom.structured_output.manager import StructuredOutputManager
-
-            tokenizer = load_tokenizer(self.config.tokenizer or self.model_path)
-            head = self.model.lm_head.org_vocab_size
-            self._so_manager = StructuredOutputManager(
-                tokenizer,
-                vocab_size=head,
-                lm_head_size=head,
-                stop_token_ids=_eos_ids(self.hf_config, tokenizer),
-                whitespace=self.config.structured_output_whitespace,
-            )
-        except Exception as e:  # noqa: BLE001 - every later admission reports it
-            logger.exception("structured output initialization failed")
-            self._so_init_error = f"structured output initialization failed: {e}"
-
-    def _grammar_sync(self, updates: list[GrammarUpdate]) -> None:
-        """Commit acknowledged tokens. Matchers were bound at submission
-        (`structured_output_bind`), so nothing here compiles or binds; a request without a state
-        on this rank is failed by `apply_logits_mask`."""
-        mgr = self._so_manager
-        if mgr is None:
-            return
-        for u in updates:
-            if u.new_token_ids and mgr.state(u.request_id) is not None:
-                mgr.commit(u.request_id, u.new_token_ids)  # a rejection marks only this request
-
-    def structured_output_bind(self, items: list[tuple[str, Any]]) -> dict:
-        """Submission RPC: give each `(request_id, spec)` its own matcher on this rank, all or
-        none. Called by the engine core before the requests enter the scheduler.
-
-        Never compiles on the calling thread (the engine loop): a grammar evicted from the
-        compile cache since admission is recompiled in the background executor and answered
-        "pending" with nothing bound, and the submitter polls. Answers
-        {"status": "ok" | "pending" | "error", "message", "rank"}.
-        """
-
-        def answer(status: str, message: str = "") -> dict:
-            return {"status": status, "message": message, "rank": self.rank}
-
-        from atom.structured_output.manager import AdmissionResult
-
-        mgr = self._so_manager
-        if mgr is None:
-            return answer(
-                "error", self._so_init_error or "structured output: not initialized on this rank"
-            )
-        bound: list[str] = []
-        status, message = "ok", ""
-        for rid, spec in items:
-            try:
-                mgr.bind(rid, spec.key, spec.end_marker)
-                bound.append(rid)
-                continue
-            except LookupError:
-                pass  # evicted since admission (or never admitted on this rank)
-            except ValueError as e:
-                status, message = "error", f"structured output: {e}"
-                break
-            result = mgr.admit(spec, mgr.fingerprint, mgr.vocab_size)  # background, no wait
-            if result.status == "ready":  # finished in between: binding is a deep copy
-                try:
-                    mgr.bind(rid, spec.key, spec.end_marker)
-                    bound.append(rid)
-                    continue
-                except LookupError:  # evicted again: let the submitter poll
-                    result = AdmissionResult("pending")
-            status = result.status
-            message = f"structured output: {result.message}" if result.message else ""
-            break
-        if status != "ok":
-            for rid in bound:
-                mgr.release(rid)
-        return answer(status, message)
+    def structured_output_prepare(self, items: list[tuple[str, Any]]) -> dict[str, AdmissionResult]:
+        return self.structured_output.prepare(items)
 
     def structured_output_release(self, request_ids: list[str]) -> None:
-        """Drop these requests' grammar state; idempotent (every terminal path may call it)."""
-        if self._so_manager is not None:
-            for rid in request_ids:
-                self._so_manager.release(rid)
+        if self._structured_output is not None:
+            self._structured_output.release(request_ids)
 
     def structured_output_stats(self) -> dict:
-        mgr = self._so_manager
-        if mgr is None:
+        """Read by /metrics: without a worker yet, zeros (and nothing imported)."""
+        if self._structured_output is None:
             return {"live_grammar_states": 0, "cached_grammars": 0}
-        return {
-            "live_grammar_states": mgr.num_live_states,
-            "cached_grammars": mgr.num_cached_grammars,
-        }
+        return self._structured_output.stats()
 
     def shutdown(self) -> None:
-        if self._so_manager is not None:
-            self._so_manager.shutdown()
+        if self._structured_output is not None:
+            self._structured_output.shutdown()
 
     def _prepare_inputs(self, batch: ScheduledBatch):
         bs = self.block_size

@@ -4,13 +4,15 @@ Each step spends a token budget (`max_num_batched_tokens`): running sequences fi
 token, or the next prefill chunk), then waiting ones in arrival order. When the KV cache runs out,
 the most recently admitted running sequence is preempted: its blocks are freed and it goes back to
 the head of the queue to be recomputed (prefix caching usually makes that cheap).
+
+A constrained request waits (`WAITING_FOR_GRAMMAR`) until the engine core reports its grammar
+bound on every rank (`grammar_ready`); until then it is skipped and later requests run.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from atom.config import EngineConfig
 from atom.model_engine.block_manager import BlockManager
@@ -19,13 +21,11 @@ from atom.model_engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class GrammarUpdate:
-    """Structured output, scheduler -> runner: the spec on a request's first schedule (None
-    afterwards; the matcher itself was bound on every rank at submission, so the runner never
-    binds or compiles here) and the output tokens accepted since the previous update
-    (committed by the runner before it masks this step's logits)."""
+    """Structured output, scheduler -> ranks: the output tokens of a request accepted since its
+    previous update, committed to its grammar before this step's logits are masked (its matcher
+    was bound on every rank before it was first scheduled, so no rank binds or compiles here)."""
 
     request_id: str
-    spec: Any
     new_token_ids: list[int]
 
 
@@ -36,6 +36,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # runner may drop their state
+    has_constrained: bool = False  # some of `seqs` carry a structured-output spec
     grammar_updates: list[GrammarUpdate] = field(default_factory=list)  # constrained only
 
     def samples(self, i: int) -> bool:
@@ -51,6 +52,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
+        self._awaiting_grammar: dict[str, Sequence] = {}  # WAITING_FOR_GRAMMAR, by request id
         self._finished_seq_ids: list[int] = []
         self.num_preemptions = 0
 
@@ -62,12 +64,31 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_waiting_for_grammar(self) -> int:
+        return len(self._awaiting_grammar)
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def only_waiting_for_grammar(self) -> bool:
+        """Nothing can run until a grammar is ready (the engine loop may pause between polls)."""
+        return not self.running and len(self.waiting) == len(self._awaiting_grammar)
+
     def add(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
+        if seq.params.structured_output is not None:
+            seq.status = SequenceStatus.WAITING_FOR_GRAMMAR
+            self._awaiting_grammar[seq.request_id] = seq
         self.waiting.append(seq)
+
+    def waiting_for_grammar(self) -> list[Sequence]:
+        return list(self._awaiting_grammar.values())
+
+    def grammar_ready(self, seq: Sequence) -> None:
+        """Every rank has bound this request's grammar: it may be scheduled from now on."""
+        del self._awaiting_grammar[seq.request_id]
+        seq.status = SequenceStatus.WAITING
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(finished_seq_ids=self._finished_seq_ids)
@@ -89,10 +110,14 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and not preempted:
+        i = 0  # waiting requests before i are skipped: their grammar is not ready yet
+        while i < len(self.waiting) and budget > 0 and not preempted:
             if len(self.running) >= self.max_num_seqs:
                 break
-            seq = self.waiting[0]
+            seq = self.waiting[i]
+            if seq.status == SequenceStatus.WAITING_FOR_GRAMMAR:
+                i += 1
+                continue
             if not seq.block_table:
                 bm.match_prefix(seq)
                 if seq.status == SequenceStatus.WAITING:  # report first-admission hits only
@@ -102,7 +127,7 @@ class Scheduler:
                 bm.free_blocks(seq)  # give prefix-cache hits back until it can run
                 break
             bm.allocate(seq, seq.num_computed_tokens + n)
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -110,19 +135,18 @@ class Scheduler:
             budget -= n
         for seq in batch.seqs:
             if seq.params.structured_output is not None:
+                batch.has_constrained = True
                 self._grammar_update(batch, seq)
         return batch
 
     @staticmethod
     def _grammar_update(batch: ScheduledBatch, seq: Sequence) -> None:
-        """Send the spec once, then only the output tokens accepted since the last update."""
-        spec = None if seq.grammar_spec_sent else seq.params.structured_output
+        """Send only the output tokens accepted since the last update: each token is committed
+        once, even when a preempted request recomputes it."""
         new = seq.token_ids[seq.num_prompt_tokens + seq.num_grammar_acked :]
-        if spec is None and not new:
-            return
-        seq.grammar_spec_sent = True
-        seq.num_grammar_acked += len(new)
-        batch.grammar_updates.append(GrammarUpdate(seq.request_id, spec, new))
+        if new:
+            seq.num_grammar_acked += len(new)
+            batch.grammar_updates.append(GrammarUpdate(seq.request_id, new))
 
     def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
         """Advance computed counts; append sampled tokens. Returns sequences that got a token."""
@@ -150,6 +174,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.requests.pop(seq.request_id, None)
+        self._awaiting_grammar.pop(seq.request_id, None)
         self._finished_seq_ids.append(seq.seq_id)
 
     def abort(self, request_ids: list[str]) -> list[Sequence]:

@@ -11,6 +11,8 @@ _ids = itertools.count()
 
 
 class SequenceStatus(enum.Enum):
+    # Constrained: waiting until every rank has bound its grammar (compiled in the background).
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again after its KV blocks were taken back (recompute)
@@ -31,10 +33,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
         self.block_hashes: list[int] = []
-        # Structured output: whether the runner got this request's spec, and how many output
-        # tokens it has been sent to commit (kept across preemption: recomputed tokens are not
-        # re-sent, so the runner never re-commits them).
-        self.grammar_spec_sent = False
+        # Structured output: how many output tokens the ranks have been sent to commit (kept
+        # across preemption: recomputed tokens are not re-sent, so no rank re-commits them).
         self.num_grammar_acked = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

@@ -3,12 +3,14 @@
 Importing this package is free: every name below is resolved on first use (PEP 562), so ordinary
 requests never load llguidance, RE2, Triton or allocate mask buffers.
 
-API preflight: ``read_chat_response_format``, ``read_responses_text_format`` (shape checks),
+API preflight: ``OutputFormat`` (a format whose shape the API's protocol models checked),
 ``SchemaWorkers`` (preparation and final validation in worker processes),
 ``check_request_features``, ``api_fingerprint``, ``admit_on_workers`` (the admission RPC),
 ``StructuredOutputSpec`` (what a request carries), ``validate_answer``.
-Model runner: ``StructuredOutputManager`` (admission, bind, fill_masks, commit, release),
-``MaskBuffers`` and ``TokenSnapshot``.
+Model runner: ``StructuredOutputWorker`` (everything a rank does: admission, readiness and
+binding, commit, masks, release, stats), over ``StructuredOutputManager`` (compile cache and
+per-request ``GrammarState``) and ``MaskBuffers``; ``TokenSnapshot`` (owned D2H copies of draft
+tokens, for deferred output with speculative decoding).
 """
 
 from __future__ import annotations
@@ -20,21 +22,17 @@ _LAZY = {
     "SchemaError": "schema",
     "PreparedSchema": "schema",
     "prepare_schema": "schema",
-    "AnswerValidationError": "validation",
-    "FormatError": "validation",
-    "OutputConstraint": "validation",
-    "OutputFormat": "validation",
-    "AdmissionError": "validation",
-    "StructuredOutputSpec": "validation",
-    "UnsupportedWithConstraint": "validation",
-    "admit_on_workers": "validation",
-    "api_fingerprint": "validation",
-    "check_request_features": "validation",
-    "parse_chat_response_format": "validation",
-    "parse_responses_text_format": "validation",
-    "read_chat_response_format": "validation",
-    "read_responses_text_format": "validation",
-    "validate_answer": "validation",
+    "AnswerValidationError": "answer",
+    "FormatError": "spec",
+    "OutputConstraint": "spec",
+    "OutputFormat": "spec",
+    "AdmissionError": "admission",
+    "StructuredOutputSpec": "spec",
+    "UnsupportedWithConstraint": "spec",
+    "admit_on_workers": "admission",
+    "api_fingerprint": "admission",
+    "check_request_features": "spec",
+    "validate_answer": "answer",
     "GrammarError": "backend_guidance",
     "tokenizer_fingerprint": "backend_guidance",
     "AdmissionResult": "manager",
@@ -43,6 +41,7 @@ _LAZY = {
     "SchemaWorkers": "schema_workers",
     "MaskBuffers": "utils",
     "TokenSnapshot": "utils",
+    "StructuredOutputWorker": "worker",
 }
 
 __all__ = [
@@ -60,21 +59,20 @@ __all__ = [
     "SchemaWorkers",
     "StructuredOutputManager",
     "StructuredOutputSpec",
+    "StructuredOutputWorker",
     "TokenSnapshot",
     "UnsupportedWithConstraint",
     "admit_on_workers",
     "api_fingerprint",
     "check_request_features",
-    "parse_chat_response_format",
-    "parse_responses_text_format",
     "prepare_schema",
-    "read_chat_response_format",
-    "read_responses_text_format",
     "tokenizer_fingerprint",
     "validate_answer",
 ]
 
 if TYPE_CHECKING:
+    from atom.structured_output.admission import AdmissionError, admit_on_workers, api_fingerprint
+    from atom.structured_output.answer import AnswerValidationError, validate_answer
     from atom.structured_output.backend_guidance import GrammarError, tokenizer_fingerprint
     from atom.structured_output.manager import (
         AdmissionResult,
@@ -83,24 +81,16 @@ if TYPE_CHECKING:
     )
     from atom.structured_output.schema import PreparedSchema, SchemaError, prepare_schema
     from atom.structured_output.schema_workers import SchemaWorkers
-    from atom.structured_output.utils import MaskBuffers, TokenSnapshot
-    from atom.structured_output.validation import (
-        AdmissionError,
-        AnswerValidationError,
+    from atom.structured_output.spec import (
         FormatError,
         OutputConstraint,
         OutputFormat,
         StructuredOutputSpec,
         UnsupportedWithConstraint,
-        admit_on_workers,
-        api_fingerprint,
         check_request_features,
-        parse_chat_response_format,
-        parse_responses_text_format,
-        read_chat_response_format,
-        read_responses_text_format,
-        validate_answer,
     )
+    from atom.structured_output.utils import MaskBuffers, TokenSnapshot
+    from atom.structured_output.worker import StructuredOutputWorker
 
 
 def __getattr__(name: str) -> Any:

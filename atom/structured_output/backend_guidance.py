@@ -141,15 +141,6 @@ class _VisibleAddedTokens:
         return tuple(self._raw.tokenize_bytes(text))
 
 
-def _byte_level_alphabet() -> dict[int, str]:
-    """GPT-2's byte-level BPE alphabet: the vocabulary character that spells each byte."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    extra = (b for b in range(256) if b not in printable)
-    chars = {b: chr(b) for b in printable}
-    chars.update({b: chr(0x100 + n) for n, b in enumerate(extra)})
-    return chars
-
-
 def _is_byte_level(spec: dict) -> bool:
     def has(node: Any) -> bool:
         if not isinstance(node, dict):
@@ -189,7 +180,9 @@ def _native_ll_tokenizer(
     spec = json.loads(backend.to_str())
     if not _is_byte_level(spec):
         return None
-    alphabet = _byte_level_alphabet()
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = bytes_to_unicode()  # GPT-2's alphabet: the vocabulary character of each byte
     vocab = spec["model"]["vocab"]
     kept, visible = [], {}
     for added in spec.get("added_tokens", []):

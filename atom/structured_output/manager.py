@@ -1,15 +1,19 @@
 """Per-worker structured-output state: admission, cached compilation, per-request grammar state.
 
-Ordering per decoding step (the model runner does the wiring):
+A request's life on a rank (``worker.StructuredOutputWorker`` does the wiring):
 
-1. ``fill_masks(rows, batch)``: for each request its committed-state row, then one row per draft
-   prefix (drafts are consumed speculatively and rolled back in a ``finally``);
-2. the runner applies the rows to the target/bonus logits (``utils.MaskBuffers``);
-3. ``commit(request_id, new_token_ids)`` once the scheduler acknowledges sampled tokens.
+1. ``admit(spec, ...)`` before it is enqueued: compatibility checks, compilation started;
+2. ``prepare(request_id, spec)`` while it waits in the scheduler: its own matcher once the
+   grammar is compiled;
+3. per decoding step, ``fill_masks(rows, batch)``: for each request its committed-state row, then
+   one row per draft prefix (drafts are consumed speculatively and rolled back in a
+   ``finally``); the worker applies the rows to the target/bonus logits (``utils.MaskBuffers``);
+4. ``commit(request_id, new_token_ids)`` once the scheduler acknowledges sampled tokens;
+5. ``release(request_id)`` on any terminal path.
 
-Admission compiles in a background thread; the ready-cache lock is held only for dictionary
-updates, never across compilation. A request's matcher is a ``deep_copy`` of the cached template,
-so it keeps the compiled grammar after cache eviction. A grammar failure marks only its request.
+Compilation runs in a background thread; the ready-cache lock is held only for dictionary
+updates, never across compilation. A request's matcher is a ``deep_copy`` of the compiled
+template, so it keeps the grammar after cache eviction. A grammar failure marks only its request.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import torch
 from atom.config import EngineConfig, StructuredOutputWhitespace
 from atom.structured_output.backend_guidance import GrammarError, GuidanceBackend
 from atom.structured_output.json_keys import KeyTokenIndex, KeyTracker
-from atom.structured_output.utils import fill_bitmask_row
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -81,10 +84,9 @@ class GrammarState:
         self.matcher = matcher
         self.error: str | None = None
         self._backend = backend
-        self._masks = masks
         self._stop_mask, self._free_mask = masks["stop"], masks["free"]
         self._stop_words = self._stop_mask.numpy().view(np.uint32)
-        # Bound methods of the per-token mask path, looked up once (see ``fill_masks``).
+        # Bound methods of the per-token mask path, looked up once (see ``fill_row``).
         self._compute_mask_ptr = matcher.unsafe_compute_mask_ptr
         self._is_stopped = matcher.is_stopped
         self._is_error = matcher.is_error
@@ -173,35 +175,36 @@ class GrammarState:
             del self._answer[answer_length:]
             self.keys = KeyTracker.replay(bytes(self._answer), self._key_index.watched)
 
-    def _fill_row(
+    def fill_row(
         self,
         bitmask: torch.Tensor,
         row: int,
-        base: int = 0,
-        row_bytes: int = 0,
+        base: int,
+        row_bytes: int,
+        words: np.ndarray,
         speculative: bool = False,
     ) -> None:
-        """One row. With ``row_bytes`` the caller has validated ``bitmask`` (``base`` is its data
-        pointer) and llguidance writes the row through the pointer directly. ``speculative``: the
-        state after draft tokens (see ``forbid_repeated_keys``)."""
-        if self.error is not None:
-            bitmask[row] = self._stop_mask
-        elif not self.active:
-            bitmask[row] = self._free_mask
-        elif self._is_stopped():  # terminated: only EOS remains
-            bitmask[row] = self._stop_mask
-        else:
-            if row_bytes:
-                self._compute_mask_ptr(base + row * row_bytes, row_bytes)
-            else:
-                fill_bitmask_row(self.matcher, bitmask, row)
+        """Write this state's next-token mask into ``bitmask[row]``.
+
+        The manager validated ``bitmask`` once (``base``: its data pointer, ``row_bytes`` per
+        row, ``words``: its ``uint32`` view), so an active row costs one llguidance call writing
+        straight through the pointer and one error check; only a state that might write a
+        repeated key (``KeyTracker.guard``) has its row filtered. ``speculative``: the state after
+        draft tokens (see ``_forbid_repeated_keys``).
+        """
+        if self.active and self.error is None and not self._is_stopped():
+            self._compute_mask_ptr(base + row * row_bytes, row_bytes)
             if self._is_error():
                 self.error = "structured output: grammar failure"
                 bitmask[row] = self._stop_mask
             elif self.keys.guard:
-                self.forbid_repeated_keys(bitmask[row].numpy().view(np.uint32), speculative)
+                self._forbid_repeated_keys(words[row], speculative)
+        elif self.active or self.error is not None:  # terminated (only EOS remains) or failed
+            bitmask[row] = self._stop_mask
+        else:  # still reasoning: unconstrained until the end marker
+            bitmask[row] = self._free_mask
 
-    def forbid_repeated_keys(self, words: np.ndarray, speculative: bool = False) -> None:
+    def _forbid_repeated_keys(self, words: np.ndarray, speculative: bool) -> None:
         """Clear from an llguidance row (a ``uint32`` view) the tokens that would repeat a key.
 
         If nothing is left (every continuation repeats a key), the row gets the stop mask, so a
@@ -218,23 +221,21 @@ class GrammarState:
         bitmask: torch.Tensor,
         row: int,
         drafts: Sequence[int],
-        base: int = 0,
-        row_bytes: int = 0,
+        base: int,
+        row_bytes: int,
+        words: np.ndarray,
     ) -> int:
         """Rows ``row .. row + len(drafts)``: the mask after each draft prefix; state unchanged.
 
         Rows after a draft the grammar rejects are unreachable and get the stop mask.
-        ``base``/``row_bytes``: see ``_fill_row``.
+        ``base``, ``row_bytes``, ``words``: see ``fill_row``.
         """
-        if not drafts:
-            self._fill_row(bitmask, row, base, row_bytes)
-            return 1
         saved = (self.active, self._tail, self.keys, len(self._answer))
         self.keys = self.keys.copy()
         consumed = 0
         try:
             for j in range(len(drafts) + 1):
-                self._fill_row(bitmask, row + j, base, row_bytes, speculative=j > 0)
+                self.fill_row(bitmask, row + j, base, row_bytes, words, speculative=j > 0)
                 if j == len(drafts) or self.error is not None:
                     continue
                 ok, n = self._advance(drafts[j], speculative=True)
@@ -285,6 +286,9 @@ class StructuredOutputManager:
         self._ready: OrderedDict[str, LLMatcher | _Failed] = OrderedDict()
         self._pending: dict[str, Future] = {}
         self._states: dict[str, GrammarState] = {}
+        # Requests waiting for a compile, by id: the future holds the result, so a grammar
+        # evicted from the cache before the request's next ``prepare`` is not compiled again.
+        self._waiting: dict[str, Future] = {}
         # The last mask buffer given to ``fill_masks``, its validated geometry and uint32 view.
         self._mask_geometry: tuple[torch.Tensor, int, int, int, np.ndarray] | None = None
         self._executor = ThreadPoolExecutor(compile_threads, thread_name_prefix="atom-grammar")
@@ -313,21 +317,27 @@ class StructuredOutputManager:
                 f"configured vocabulary {vocab_size} does not match the LM head "
                 f"({self.vocab_size})",
             )
-        key, lowered = _grammar_source(spec)
+        found = self._lookup(*_grammar_source(spec))
+        if isinstance(found, Future):
+            if wait_s > 0:
+                wait_futures([found], timeout=wait_s)
+            if not found.done():
+                return AdmissionResult("pending")
+            found = found.result()
+        return self._result(found)
+
+    def _lookup(self, key: str, lowered: dict | bool) -> LLMatcher | _Failed | Future:
+        """The cached entry of ``key``, else the future of its compile (started if needed)."""
         with self._lock:
             entry = self._ready.get(key)
             if entry is not None:
                 self._ready.move_to_end(key)
-                return self._result(entry)
+                return entry
             future = self._pending.get(key)
             if future is None:
                 future = self._executor.submit(self._compile, key, lowered)
                 self._pending[key] = future
-        if wait_s > 0:
-            wait_futures([future], timeout=wait_s)
-        if future.done():
-            return self._result(future.result())
-        return AdmissionResult("pending")
+            return future
 
     @staticmethod
     def _result(entry: LLMatcher | _Failed) -> AdmissionResult:
@@ -353,24 +363,36 @@ class StructuredOutputManager:
 
     # ---- request states ----------------------------------------------------------------------
 
-    def bind(self, request_id: str, key: str, end_marker: bytes | None = None) -> GrammarState:
-        """Give a request its own matcher (admission must have answered ``ready``)."""
-        with self._lock:
-            if request_id in self._states:
-                raise ValueError(f"request {request_id!r} already has a grammar state")
-            entry = self._ready.get(key)
-            if entry is not None:
-                self._ready.move_to_end(key)
-        if entry is None:
-            raise LookupError("grammar not compiled (admit the request first)")
-        if isinstance(entry, _Failed):
-            raise ValueError(entry.message)
+    def prepare(self, request_id: str, spec: Any) -> AdmissionResult:
+        """Give a request its own matcher once its grammar is compiled; never waits.
+
+        Polled while the request waits in the scheduler: ``ready`` once bound (and on every
+        later call), ``pending`` while the grammar compiles in the background (a grammar
+        evicted since admission is compiled again there, never on the caller's thread), or
+        ``error`` when it cannot compile. ``spec``: what ``admit`` takes, usually a
+        ``spec.StructuredOutputSpec`` (its ``end_marker`` delays the grammar past reasoning).
+        """
+        if request_id in self._states:
+            return AdmissionResult("ready")
+        found = self._waiting.pop(request_id, None) or self._lookup(*_grammar_source(spec))
+        if isinstance(found, Future):
+            if not found.done():
+                self._waiting[request_id] = found
+                return AdmissionResult("pending")
+            found = found.result()
+        if isinstance(found, _Failed):
+            return AdmissionResult("error", found.message)
         state = GrammarState(
-            request_id, entry.deep_copy(), self.backend, self.masks, end_marker, self.key_index
+            request_id,
+            found.deep_copy(),
+            self.backend,
+            self.masks,
+            getattr(spec, "end_marker", None),
+            self.key_index,
         )
         with self._lock:
             self._states[request_id] = state
-        return state
+        return AdmissionResult("ready")
 
     def state(self, request_id: str) -> GrammarState | None:
         return self._states.get(request_id)
@@ -379,6 +401,7 @@ class StructuredOutputManager:
         """Drop a request's state; idempotent (every terminal path may call it)."""
         with self._lock:
             self._states.pop(request_id, None)
+        self._waiting.pop(request_id, None)
 
     def commit(self, request_id: str, new_token_ids: Sequence[int]) -> bool:
         """Advance the committed state; False (and ``error(request_id)``) on a grammar failure."""
@@ -404,28 +427,22 @@ class StructuredOutputManager:
         if geometry is None or geometry[0] is not bitmask:
             geometry = self._mask_geometry = self._validate_mask(bitmask)
         _, base, num_rows, row_bytes, words = geometry
+        if len(batch) > num_rows:
+            raise IndexError(f"{len(batch)} rows exceed a {num_rows}-row mask")
         states = self._states
-        row = 0
-        for request_id, drafts in batch:
+        extra = 0  # draft rows so far: request i starts at row i + extra
+        for i, (request_id, drafts) in enumerate(batch):
             state = states[request_id]
             if drafts:
-                if row + len(drafts) >= num_rows:
-                    raise IndexError(f"{row + len(drafts) + 1} rows exceed a {num_rows}-row mask")
-                row += state.fill_rows(bitmask, row, drafts, base, row_bytes)
-                continue
-            if row >= num_rows:
-                raise IndexError(f"{row + 1} rows exceed a {num_rows}-row mask")
-            if state.active and state.error is None and not state._is_stopped():
-                state._compute_mask_ptr(base + row * row_bytes, row_bytes)  # the fast path
-                if state._is_error():
-                    state.error = "structured output: grammar failure"
-                    bitmask[row] = state._stop_mask
-                elif state.keys.guard:
-                    state.forbid_repeated_keys(words[row])
+                if len(batch) + extra + len(drafts) > num_rows:
+                    raise IndexError(
+                        f"{len(batch) + extra + len(drafts)} rows exceed a {num_rows}-row mask"
+                    )
+                state.fill_rows(bitmask, i + extra, drafts, base, row_bytes, words)
+                extra += len(drafts)
             else:
-                state._fill_row(bitmask, row)
-            row += 1
-        return row
+                state.fill_row(bitmask, i + extra, base, row_bytes, words)
+        return len(batch) + extra
 
     def _validate_mask(
         self, bitmask: torch.Tensor

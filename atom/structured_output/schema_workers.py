@@ -22,11 +22,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from atom.structured_output.validation import (
-    FormatError,
-    OutputConstraint,
-    OutputFormat,
-)
+from atom.structured_output.spec import FormatError, OutputConstraint, OutputFormat
 
 logger = logging.getLogger("atom.structured_output")
 
@@ -47,9 +43,9 @@ def _serve(conn: Any) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server handles Ctrl-C and stops us
-    from atom.structured_output import schema, validation
+    from atom.structured_output import answer, schema
 
-    operations = {"prepare": _prepare, "validate": validation.answer_error}
+    operations = {"prepare": _prepare, "validate": answer.answer_error}
     schema.prepare_schema({"type": "object"})  # import and warm everything before "ready"
     conn.send("ready")
     while True:

@@ -18,62 +18,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from llguidance import LLExecutor, LLMatcher
+    pass
 
-__all__ = [
-    "MaskBuffers",
-    "TokenSnapshot",
-    "fill_bitmask_row",
-    "fill_bitmask_rows_par",
-    "fill_bitmask_rows_with_drafts",
-    "num_mask_words",
-]
+__all__ = ["MaskBuffers", "TokenSnapshot", "num_mask_words"]
 
 
 def num_mask_words(vocab_size: int) -> int:
     """Packed 32-bit words for one mask row."""
     return (vocab_size + 31) // 32
-
-
-def _check_host_mask(bitmask: torch.Tensor) -> None:
-    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.device.type != "cpu":
-        raise ValueError("bitmask must be a 2-D int32 CPU tensor")
-    if not bitmask.is_contiguous():
-        raise ValueError("bitmask must be contiguous")
-
-
-def fill_bitmask_row(matcher: LLMatcher, bitmask: torch.Tensor, row: int) -> None:
-    """llguidance writes the next-token mask of ``matcher`` straight into ``bitmask[row]``."""
-    _check_host_mask(bitmask)
-    if not 0 <= row < bitmask.shape[0]:
-        raise IndexError(f"row {row} outside a bitmask of {bitmask.shape[0]} rows")
-    row_bytes = bitmask.shape[1] * 4
-    matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * row_bytes, row_bytes)
-
-
-def fill_bitmask_rows_par(
-    executor: LLExecutor, matchers: Sequence[tuple[LLMatcher, int]], bitmask: torch.Tensor
-) -> None:
-    """Fill one row per ``(matcher, row)`` on llguidance's thread pool (GIL released)."""
-    _check_host_mask(bitmask)
-    rows, words = bitmask.shape
-    executor.unsafe_compute_mask_ptr(list(matchers), bitmask.data_ptr(), words * 4, rows)
-
-
-def fill_bitmask_rows_with_drafts(
-    executor: LLExecutor,
-    matchers: Sequence[tuple[LLMatcher, int, Sequence[int]]],
-    bitmask: torch.Tensor,
-) -> None:
-    """Fill rows ``row .. row + len(drafts)``: the mask after each draft prefix.
-
-    llguidance consumes the drafts and rolls them back itself. Rows past a draft it rejects are
-    left as they were, so callers pre-fill them (e.g. with a stop mask).
-    """
-    _check_host_mask(bitmask)
-    rows, words = bitmask.shape
-    items = [(m, row, list(drafts)) for m, row, drafts in matchers]
-    executor.unsafe_compute_mask_ptr_with_draft_token(items, bitmask.data_ptr(), words * 4, rows)
 
 
 class MaskBuffers:
@@ -100,6 +52,7 @@ class MaskBuffers:
 
     @property
     def capacity(self) -> int:
+        """Rows allocated so far (0 until the first ``host_rows``: nothing is allocated early)."""
         return self._capacity
 
     @property

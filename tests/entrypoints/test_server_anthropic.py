@@ -17,7 +17,13 @@ GREEDY = {"temperature": 0}
 
 @pytest.fixture(scope="module")
 def client(server):
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    return anthropic.Anthropic(
+        base_url=server.url,
+        api_key="unused",
+        max_retries=0,
+        timeout=60,
+        _strict_response_validation=True,
+    )
 
 
 def test_messages_create(client, model_id):
@@ -149,7 +155,9 @@ def test_anthropic_error_bodies(server, client, model_id):
 
 
 def test_thinking_and_effort_on_v41(server, model_id):
-    v41 = anthropic.Anthropic(base_url=f"{server.url}/v41", api_key="x", max_retries=0)
+    v41 = anthropic.Anthropic(
+        base_url=f"{server.url}/v41", api_key="x", max_retries=0, _strict_response_validation=True
+    )
     with pytest.raises(anthropic.BadRequestError) as e:
         v41.messages.create(
             model=model_id,

@@ -206,7 +206,12 @@ def test_effort_validation_per_adapter(server, model_id):
 
 
 def test_web_search_ignored_on_flash(server, model_id):
-    client = openai.OpenAI(base_url=f"{server.url}/flash/v1", api_key="x", max_retries=0)
+    client = openai.OpenAI(
+        base_url=f"{server.url}/flash/v1",
+        api_key="x",
+        max_retries=0,
+        _strict_response_validation=True,
+    )
     r = client.responses.create(
         model=model_id,
         input="What is the capital of France?",
@@ -232,7 +237,9 @@ def test_web_search_ignored_on_flash(server, model_id):
     )
     assert chat.choices[0].message.content.strip()
     # a deployment that does not ignore it refuses it instead of silently dropping it
-    generic = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    generic = openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key="x", max_retries=0, _strict_response_validation=True
+    )
     with pytest.raises(openai.BadRequestError) as e:
         generic.responses.create(
             model=model_id, input="hi", tools=[{"type": "web_search"}], max_output_tokens=2

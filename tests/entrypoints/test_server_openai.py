@@ -16,7 +16,13 @@ PROMPT = [{"role": "user", "content": "What is 2+2?"}]
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(
+        base_url=f"{server.url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=60,
+        _strict_response_validation=True,
+    )
 
 
 # ---- discovery, health, docs ------------------------------------------------------------------
@@ -381,7 +387,12 @@ def test_concurrent_mixed_requests(server, client, model_id, wait_idle):
     ]
 
     async def run() -> list[str]:
-        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        aclient = openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1",
+            api_key="x",
+            max_retries=0,
+            _strict_response_validation=True,
+        )
 
         async def one(i: int) -> str:
             msgs = [{"role": "user", "content": prompts[i]}]

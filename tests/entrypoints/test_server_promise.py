@@ -50,12 +50,22 @@ NESTED_DIALECT = {
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300)
+    return openai.OpenAI(
+        base_url=f"{server.url}/v1",
+        api_key="x",
+        max_retries=0,
+        timeout=300,
+        _strict_response_validation=True,
+    )
 
 
 def test_health_answers_while_hostile_schemas_are_prepared(server, model_id):
     client = openai.AsyncOpenAI(
-        base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300
+        base_url=f"{server.url}/v1",
+        api_key="x",
+        max_retries=0,
+        timeout=300,
+        _strict_response_validation=True,
     )
 
     async def ask(schema: dict) -> tuple[str, float]:

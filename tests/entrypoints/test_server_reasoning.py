@@ -19,7 +19,13 @@ PROMPT = [{"role": "user", "content": "What is 2+2?"}]
 
 @pytest.fixture(scope="module")
 def oai(server):
-    return openai.OpenAI(base_url=f"{server.url}/v41/v1", api_key="x", max_retries=0, timeout=60)
+    return openai.OpenAI(
+        base_url=f"{server.url}/v41/v1",
+        api_key="x",
+        max_retries=0,
+        timeout=60,
+        _strict_response_validation=True,
+    )
 
 
 def test_chat_reasoning_content(oai, model_id):
@@ -90,7 +96,9 @@ def test_responses_reasoning_item(oai, model_id):
 
 
 def test_messages_thinking_blocks(server, model_id):
-    client = anthropic.Anthropic(base_url=f"{server.url}/v41", api_key="x", max_retries=0)
+    client = anthropic.Anthropic(
+        base_url=f"{server.url}/v41", api_key="x", max_retries=0, _strict_response_validation=True
+    )
     m = client.messages.create(
         model=model_id, max_tokens=6, messages=PROMPT, extra_body={"temperature": 0}
     )

@@ -17,7 +17,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from atom.structured_output.validation import parse_chat_response_format, validate_answer
+from atom.entrypoints.openai.protocol import parse_chat_response_format
+from atom.structured_output.answer import validate_answer
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +55,13 @@ def framed(server, engine):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    return openai.OpenAI(
+        base_url=f"{server.url}/v1",
+        api_key="x",
+        max_retries=0,
+        timeout=120,
+        _strict_response_validation=True,
+    )
 
 
 def _live_states(server) -> float:
@@ -172,7 +179,13 @@ def test_output_cap_mid_json_is_length_or_incomplete(client, model_id, server):
 def test_reasoning_answer_missing_is_an_error_not_a_success(server, model_id):
     """SmolLM2 has no `</think>`: under /v41 generation starts inside reasoning (unconstrained)
     and the model ends with EOS there, leaving no answer: an error on every surface."""
-    oai = openai.OpenAI(base_url=f"{server.url}/v41/v1", api_key="x", max_retries=0, timeout=120)
+    oai = openai.OpenAI(
+        base_url=f"{server.url}/v41/v1",
+        api_key="x",
+        max_retries=0,
+        timeout=120,
+        _strict_response_validation=True,
+    )
     kw = {"model": model_id, "messages": PROMPT, "temperature": 0, "max_tokens": 200}
     plain = oai.chat.completions.create(**kw)
     assert plain.choices[0].finish_reason == "stop" and plain.choices[0].message.content == ""
@@ -196,7 +209,8 @@ def test_reasoning_answer_missing_is_an_error_not_a_success(server, model_id):
     text = {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}}
     rkw = {"model": model_id, "input": PROMPT[0]["content"], "temperature": 0}
     r = oai.responses.create(**rkw, max_output_tokens=200, text=text)
-    assert r.status == "failed" and r.error.code == "structured_output_error"
+    assert r.status == "failed" and r.error.code == "server_error"
+    assert r.error.message.startswith("structured output: ")
     events = list(oai.responses.create(**rkw, max_output_tokens=200, text=text, stream=True))
     assert events[-1].type == "response.failed"
     assert [e.type for e in events].count("response.failed") == 1
@@ -279,7 +293,8 @@ def test_bad_schemas_name_the_field_and_pointer(server, model_id):
 
 
 def test_relaxed_mtp_is_refused_at_api_and_worker(server, model_id, engine, monkeypatch):
-    from atom.structured_output.validation import StructuredOutputSpec, api_fingerprint
+    from atom.structured_output.admission import api_fingerprint
+    from atom.structured_output.spec import StructuredOutputSpec
 
     monkeypatch.setenv("ATOM_ENABLE_RELAXED_MTP", "1")
     r = _post(server, "/v1/chat/completions", _chat(model_id))
@@ -313,7 +328,8 @@ def test_worker_admission_refusals(server, model_id, engine):
     type; any rank error is a 400 before generation."""
     import torch
 
-    from atom.structured_output.validation import StructuredOutputSpec, api_fingerprint
+    from atom.structured_output.admission import api_fingerprint
+    from atom.structured_output.spec import StructuredOutputSpec
 
     spec = StructuredOutputSpec.of(parse_chat_response_format(RESPONSE_FORMAT), None)
     vocab = engine.hf_config.vocab_size
@@ -342,7 +358,13 @@ UNCONSTRAINED = [f"Name a fruit, number {i}." for i in range(10)]
 
 
 async def _run_mixed(url: str, model_id: str, with_constrained: bool) -> dict:
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    client = openai.AsyncOpenAI(
+        base_url=f"{url}/v1",
+        api_key="x",
+        max_retries=0,
+        timeout=120,
+        _strict_response_validation=True,
+    )
     results: dict = {"plain": {}, "constrained": [], "cancelled": 0}
 
     async def plain(i: int, stream: bool) -> None:
@@ -451,7 +473,8 @@ def test_32_concurrent_mixed_requests(server, model_id, engine, wait_idle):
 def test_cancelled_admission_is_settled_before_cancellation(engine):
     """A client that goes away during admission: the queued RPC finishes on the engine loop
     before the cancellation reaches the API task, so no admission lands after its cleanup."""
-    from atom.structured_output.validation import StructuredOutputSpec, api_fingerprint
+    from atom.structured_output.admission import api_fingerprint
+    from atom.structured_output.spec import StructuredOutputSpec
 
     schema = {"type": "object", "properties": {"cancelled": {"type": "boolean"}}}
     spec = StructuredOutputSpec.of(parse_chat_response_format(_format(schema)), None)
@@ -465,7 +488,7 @@ def test_cancelled_admission_is_settled_before_cancellation(engine):
     ):  # the worker side is initialized
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    manager = engine.engine.executor.workers[0]._so_manager
+    manager = engine.engine.executor.workers[0].structured_output.manager
     assert spec.key not in manager._ready and spec.key not in manager._pending
 
     async def main() -> None:
@@ -482,28 +505,33 @@ def test_cancelled_admission_is_settled_before_cancellation(engine):
     asyncio.run(main())
 
 
-def test_failed_submission_is_an_error_and_leaks_nothing(
+def test_grammar_refused_by_a_rank_is_an_error_and_leaks_nothing(
     server, model_id, engine, wait_idle, monkeypatch
 ):
-    """Binding happens at submission on every rank. If any rank refuses (simulated: a second
-    rank answering an error after the first bound), the API answers an error, the rank that
-    did bind is released and nothing is enqueued."""
+    """A constrained request waits in the scheduler until every rank has bound its grammar. If
+    any rank refuses (simulated: a second rank answering an error after the first bound), the
+    request ends with a structured-output error before generating anything, and the rank that
+    did bind is released."""
+    from atom.structured_output.manager import AdmissionResult
+
     executor = engine.engine.executor
     real = executor.collective_rpc
 
     def one_rank_refuses(method, *args, **kwargs):
         results = real(method, *args, **kwargs)
-        if method == "structured_output_bind":
-            assert results[0]["status"] == "ok"
-            results = [*results, {"status": "error", "message": "simulated refusal", "rank": 1}]
+        if method == "structured_output_prepare":
+            assert all(a.status == "ready" for a in results[0].values())
+            refusal = AdmissionResult("error", "simulated refusal")
+            results = [*results, dict.fromkeys(results[0], refusal)]
         return results
 
     assert _post(server, "/v1/chat/completions", _chat(model_id)).status_code == 200  # warm
     monkeypatch.setattr(executor, "collective_rpc", one_rank_refuses)
     r = _post(server, "/v1/chat/completions", _chat(model_id))
-    assert r.status_code == 400, r.text
-    assert "simulated refusal" in r.json()["error"]["message"]
-    assert engine.structured_output_stats()["live_grammar_states"] == 0
+    assert r.status_code == 500, r.text
+    assert r.json()["error"]["code"] == "structured_output_error"
+    assert "simulated refusal (rank 1)" in r.json()["error"]["message"]
+    _wait_released(server)
     r = _post(
         server,
         "/v1/responses",
@@ -513,8 +541,9 @@ def test_failed_submission_is_an_error_and_leaks_nothing(
             "text": {"format": {"type": "json_schema", "name": "a", "schema": SCHEMA}},
         },
     )
-    assert r.status_code == 400, r.text
-    assert engine.structured_output_stats()["live_grammar_states"] == 0
+    assert r.status_code == 200 and r.json()["status"] == "failed", r.text
+    assert "simulated refusal (rank 1)" in r.json()["error"]["message"]
+    _wait_released(server)
     wait_idle()
     monkeypatch.setattr(executor, "collective_rpc", real)
     assert _post(server, "/v1/chat/completions", _chat(model_id)).status_code == 200
@@ -522,10 +551,10 @@ def test_failed_submission_is_an_error_and_leaks_nothing(
 
 
 def test_cancelled_submission_is_settled_before_abort(engine, wait_idle):
-    """A submission cancelled while the engine core binds it is settled first (bound and
-    enqueued, or refused), then aborted: nothing is left bound or queued."""
+    """A submission cancelled right after it is queued (its grammar possibly being bound on the
+    ranks) is aborted: nothing is left bound or queued."""
     from atom.sampling_params import SamplingParams
-    from atom.structured_output.validation import StructuredOutputSpec
+    from atom.structured_output.spec import StructuredOutputSpec
 
     spec = StructuredOutputSpec.of(parse_chat_response_format(RESPONSE_FORMAT), None)
     prompt = engine.tokenizer.encode("Reply in JSON.")
@@ -541,12 +570,14 @@ def test_cancelled_submission_is_settled_before_abort(engine, wait_idle):
         assert "cancelled-submission" not in engine._queues
 
     asyncio.run(main())
+    deadline = time.monotonic() + 20  # the add and the abort are queued on the engine loop
+    while "cancelled-submission" in engine.engine._route:
+        assert time.monotonic() < deadline, "the aborted request was never finished"
+        time.sleep(0.05)
     wait_idle()
-    deadline = time.monotonic() + 20
     while engine.structured_output_stats()["live_grammar_states"] != 0:
         assert time.monotonic() < deadline, "grammar states leaked"
         time.sleep(0.05)
-    assert "cancelled-submission" not in engine.engine._route
 
 
 def _format(schema: dict) -> dict:

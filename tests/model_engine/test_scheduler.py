@@ -149,3 +149,38 @@ def test_collective_rpc_one_result_per_rank(tiny_llama_dir):
     assert (
         engine.collective_rpc("kv_cache_info")[0]["num_blocks"] == engine.stats().num_total_blocks
     )
+
+
+def test_constrained_requests_wait_for_their_grammar():
+    """Without a model: a constrained request is skipped (later requests run) until its grammar
+    is reported ready; then it runs and its accepted tokens go to the ranks once each. Finishing
+    it while it waits (abort) leaves nothing behind."""
+    from atom.model_engine.block_manager import BlockManager
+    from atom.model_engine.scheduler import Scheduler
+    from atom.model_engine.sequence import Sequence
+
+    sched = Scheduler(EngineConfig(), BlockManager(num_blocks=16, block_size=16))
+    spec = object()  # stands in for a StructuredOutputSpec
+    waits = Sequence("c", [1, 2, 3], SamplingParams(structured_output=spec))
+    plain = Sequence("p", [4, 5], SamplingParams())
+    gone = Sequence("gone", [6], SamplingParams(structured_output=spec))
+    for seq in (waits, plain, gone):
+        sched.add(seq)
+    assert sched.num_waiting_for_grammar == 2 and sched.waiting_for_grammar() == [waits, gone]
+    batch = sched.schedule()
+    assert batch.seqs == [plain] and not batch.has_constrained
+    assert waits.status == SequenceStatus.WAITING_FOR_GRAMMAR and sched.num_waiting == 2
+    sched.abort(["gone"])
+    assert sched.waiting_for_grammar() == [waits] and not sched.only_waiting_for_grammar()
+    sched.update(batch, {plain.seq_id: 7})
+    sched.finish(plain, "stop")
+    assert sched.only_waiting_for_grammar()  # nothing can run until the grammar is ready
+    sched.grammar_ready(waits)
+    assert waits.status == SequenceStatus.WAITING and sched.num_waiting_for_grammar == 0
+    batch = sched.schedule()
+    assert batch.seqs == [waits] and batch.has_constrained and batch.grammar_updates == []
+    sched.update(batch, {waits.seq_id: 8})
+    (update,) = sched.schedule().grammar_updates
+    assert (update.request_id, update.new_token_ids) == ("c", [8])
+    sched.finish(waits, "stop")
+    assert not sched.has_unfinished() and sched.block_manager.num_free_blocks == 16

@@ -10,12 +10,14 @@ import torch
 
 llguidance = pytest.importorskip("llguidance")
 
+from llguidance.torch import fill_next_token_bitmask  # noqa: E402
+
 from atom.structured_output.backend_guidance import (  # noqa: E402
     GrammarError,
     GuidanceBackend,
     tokenizer_fingerprint,
 )
-from atom.structured_output.utils import fill_bitmask_row, num_mask_words  # noqa: E402
+from atom.structured_output.utils import num_mask_words  # noqa: E402
 
 THINK, END_THINK, EOS = 128821, 128822, 1
 HEAD = 129280 + 64  # a padded LM head
@@ -64,23 +66,23 @@ def test_think_inside_json_string_masks_and_consumes_consistently(hf, backend) -
     matcher = backend.compile(SCHEMA).deep_copy()
     assert matcher.consume_tokens(hf.encode('{"a":"', add_special_tokens=False))
     row = torch.zeros(1, num_mask_words(HEAD), dtype=torch.int32)
-    fill_bitmask_row(matcher, row, 0)
+    fill_next_token_bitmask(matcher, row, 0)
     assert allowed(row[0], THINK) and allowed(row[0], END_THINK)
     assert not allowed(row[0], EOS)
     assert not any(allowed(row[0], t) for t in range(129280, HEAD))  # padding never allowed
     assert matcher.consume_token(THINK), matcher.get_error()
-    fill_bitmask_row(matcher, row, 0)
+    fill_next_token_bitmask(matcher, row, 0)
     closing = hf.encode('"}', add_special_tokens=False)
     assert allowed(row[0], closing[0])
     assert matcher.consume_tokens(closing) and matcher.is_accepting()
-    fill_bitmask_row(matcher, row, 0)
+    fill_next_token_bitmask(matcher, row, 0)
     assert allowed(row[0], EOS) and matcher.consume_token(EOS)
 
 
 def test_think_outside_a_string_is_forbidden(hf, backend) -> None:
     matcher = backend.compile(SCHEMA).deep_copy()
     row = torch.zeros(1, num_mask_words(HEAD), dtype=torch.int32)
-    fill_bitmask_row(matcher, row, 0)
+    fill_next_token_bitmask(matcher, row, 0)
     assert not allowed(row[0], THINK)
     assert matcher.try_consume_tokens([THINK]) == 0
 
@@ -137,6 +139,6 @@ def test_native_tokenizer_matches_the_callback_tokenizer(hf, backend, monkeypatc
     rows = torch.zeros(2, num_mask_words(HEAD), dtype=torch.int32)
     for token in [*hf.encode('{"a":"x<think>y"}', add_special_tokens=False), EOS]:
         for row, matcher in enumerate(matchers):
-            fill_bitmask_row(matcher, rows, row)
+            fill_next_token_bitmask(matcher, rows, row)
         assert torch.equal(rows[0], rows[1])
         assert all(m.consume_token(token) for m in matchers)

@@ -16,9 +16,11 @@ import torch
 
 pytest.importorskip("llguidance")
 
+from llguidance.torch import fill_next_token_bitmask  # noqa: E402
+
 from atom.structured_output.json_keys import KeyTracker  # noqa: E402
 from atom.structured_output.manager import StructuredOutputManager  # noqa: E402
-from atom.structured_output.utils import fill_bitmask_row, num_mask_words  # noqa: E402
+from atom.structured_output.utils import num_mask_words  # noqa: E402
 
 OPEN = {"type": "object", "additionalProperties": {"type": "integer"}}
 ONLY_A = {
@@ -165,16 +167,25 @@ def mgr(request):
         hf = AutoTokenizer.from_pretrained(str(Path(found.submodule_search_locations[0])))
         vocab = 129280
     manager = StructuredOutputManager(hf, vocab_size=vocab)
-    for key, schema in (("open", OPEN), ("any", {"type": "object"}), ("only-a", ONLY_A)):
+    for key, schema in SCHEMAS.items():
         admitted = manager.admit(_spec(key, schema), manager.fingerprint, vocab, wait_s=60)
         assert admitted.status == "ready", admitted.message
     yield manager
     manager.shutdown()
 
 
-def _spec(key: str, schema: dict) -> SimpleNamespace:
-    """Shaped like ``schema.PreparedSchema`` (what admission receives)."""
-    return SimpleNamespace(key=key, lowered=schema)
+SCHEMAS = {"open": OPEN, "any": {"type": "object"}, "only-a": ONLY_A}
+
+
+def _spec(key: str, schema: dict, end_marker: bytes | None = None) -> SimpleNamespace:
+    """Shaped like ``spec.StructuredOutputSpec`` (what admission and readiness receive)."""
+    return SimpleNamespace(key=key, lowered=schema, end_marker=end_marker)
+
+
+def bind(mgr, rid: str, key: str, end_marker: bytes | None = None):
+    """The request's own matcher for an admitted grammar (ready at once: it is cached)."""
+    assert mgr.prepare(rid, _spec(key, SCHEMAS[key], end_marker)).status == "ready"
+    return mgr.state(rid)
 
 
 @pytest.fixture()
@@ -195,7 +206,7 @@ def token(mgr, text: str) -> int:
 
 
 def committed(mgr, rid: str, text: str, key: str = "open"):
-    state = mgr.bind(rid, key)
+    state = bind(mgr, rid, key)
     assert mgr.commit(rid, enc(mgr, text)), state.error
     return state
 
@@ -247,10 +258,10 @@ def test_mask_forbids_exactly_the_tokens_that_repeat_a_key(
     mgr, rid, schema, data, partial, keys, some
 ) -> None:
     """Checked against every token the grammar allows, read by an independent decoder."""
-    state = mgr.bind(rid, schema)
+    state = bind(mgr, rid, schema)
     assert mgr.commit(rid, mgr.backend.tokenize_bytes(data)), state.error
     raw = torch.zeros((1, num_mask_words(mgr.lm_head_size)), dtype=torch.int32)
-    fill_bitmask_row(state.matcher, raw, 0)
+    fill_next_token_bitmask(state.matcher, raw, 0)
     expected = {
         t for t in allowed(raw[0]) if closes_repeat(partial, keys, mgr.backend.token_bytes(t))
     }
@@ -291,7 +302,7 @@ def test_tokens_holding_a_whole_key(mgr, rid, key, whole) -> None:
 
 def test_only_the_answer_after_the_end_marker_counts(mgr, rid) -> None:
     """Reasoning text is not tracked; the bytes after the marker in the same token are."""
-    state = mgr.bind(rid, "open", end_marker=b"</think>")
+    state = bind(mgr, rid, "open", end_marker=b"</think>")
     reasoning = enc(mgr, '{"b":1,"a</think')
     # deepseek spells ">{" as one token: "{" is fed with the marker's last byte
     assert mgr.commit(rid, reasoning + enc(mgr, ">{") + enc(mgr, '"a":1,"b')) and state.active
@@ -402,7 +413,8 @@ class TargetModel(torch.nn.Module):
 def _admitted(engine, schema: dict):
     from test_engine_integration import admit
 
-    from atom.structured_output.validation import StructuredOutputSpec, parse_chat_response_format
+    from atom.entrypoints.openai.protocol import parse_chat_response_format
+    from atom.structured_output.spec import StructuredOutputSpec
 
     fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
     spec = StructuredOutputSpec.of(parse_chat_response_format(fmt), None)
@@ -424,7 +436,7 @@ def test_engine_never_writes_a_repeated_key(tiny_llama_dir) -> None:
     from atom.config import EngineConfig
     from atom.model_engine.llm_engine import LLMEngine
     from atom.sampling_params import SamplingParams
-    from atom.structured_output.validation import AnswerValidationError, validate_answer
+    from atom.structured_output.answer import AnswerValidationError, validate_answer
 
     engine = LLMEngine(
         EngineConfig(model=str(tiny_llama_dir), max_model_len=128, kv_cache_bytes=8 << 20)
@@ -441,7 +453,7 @@ def test_engine_never_writes_a_repeated_key(tiny_llama_dir) -> None:
         with pytest.raises(AnswerValidationError, match="repeats an object key"):
             validate_answer(spec.constraint, free.text)
         # ... and llguidance's grammar alone would let every one of its tokens through.
-        matcher = runner._so_manager.backend.compile(spec.lowered)
+        matcher = runner.structured_output.manager.backend.compile(spec.lowered)
         assert all(matcher.consume_token(t) for t in tok.encode(TARGET))
         assert matcher.is_accepting()
         # Constrained: the mask turns the model away from the repeat; the answer is valid.

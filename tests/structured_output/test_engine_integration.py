@@ -2,6 +2,8 @@
 acknowledged tokens) -> output processing, with real tokenizers and models.
 
 - An ordinary request in a fresh server process imports nothing of the feature.
+- A constrained request waits in the scheduler until its grammar is bound on every rank
+  (compiled in the background, never on the engine loop); a grammar that cannot compile ends it.
 - A grammar failure ends only its own request; ownership is released on every terminal path.
 - Preempted and recomputed requests keep their committed grammar state.
 - Reasoning: a tiny random-weight Llama with the 129,280-token deepseek tokenizer and a prompt
@@ -24,15 +26,13 @@ import pytest
 pytest.importorskip("llguidance")
 
 from atom.config import EngineConfig  # noqa: E402
+from atom.entrypoints.openai.protocol import parse_chat_response_format  # noqa: E402
 from atom.model_engine.llm_engine import LLMEngine  # noqa: E402
 from atom.model_engine.sequence import Sequence  # noqa: E402
 from atom.sampling_params import SamplingParams  # noqa: E402
-from atom.structured_output.validation import (  # noqa: E402
-    StructuredOutputSpec,
-    api_fingerprint,
-    parse_chat_response_format,
-    validate_answer,
-)
+from atom.structured_output.admission import api_fingerprint  # noqa: E402
+from atom.structured_output.answer import validate_answer  # noqa: E402
+from atom.structured_output.spec import StructuredOutputSpec  # noqa: E402
 
 END_THINK, END_PIECES = 128822, [1718, 37947, 32]  # "</think>" as one token / as "</" "think" ">"
 SMALL = {
@@ -92,7 +92,8 @@ from entrypoints.conftest import UvicornThread
 engine = AsyncLLM(EngineConfig(model={model!r}, max_model_len=256, kv_cache_bytes=8 << 20))
 srv = UvicornThread(build_app(engine, ServerConfig())).start()
 WATCH = ["llguidance", "triton", "re2", "jsonschema", "atom.structured_output.manager",
-         "atom.structured_output.utils", "atom.structured_output.validation",
+         "atom.structured_output.utils", "atom.structured_output.spec",
+         "atom.structured_output.answer", "atom.structured_output.admission",
          "atom.structured_output.backend_guidance", "atom.model_ops.triton_structured_output"]
 body = {{"model": engine.model_name, "messages": [{{"role": "user", "content": "hi"}}],
         "max_tokens": 4, "temperature": 0}}
@@ -123,6 +124,44 @@ def test_unconstrained_requests_import_nothing(tiny_llama_dir):
     assert "llguidance" in state["after"] and "atom.structured_output.manager" in state["after"]
 
 
+def test_background_engine_waits_for_grammars_without_blocking_others(tiny_llama_dir):
+    """The server's engine loop: constrained requests whose grammars were never admitted wait
+    while their rank initializes and compiles in the background, and ordinary requests run
+    meanwhile; one grammar compiles and its request runs, the other cannot and its request
+    ends with a structured-output error."""
+    import asyncio
+
+    from atom.model_engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM(EngineConfig(model=str(tiny_llama_dir), max_model_len=128))
+    ok = StructuredOutputSpec("fresh", SMALL)
+    bad = StructuredOutputSpec("fresh-bad", {"type": "array", "uniqueItems": True})
+
+    async def final(rid: str, params: SamplingParams):
+        return [out async for out in engine.generate(rid, [5, 6, 7], params)][-1]
+
+    async def main():
+        return await asyncio.gather(
+            final("ok", SamplingParams(temperature=0, max_tokens=8, structured_output=ok)),
+            final("bad", SamplingParams(max_tokens=8, structured_output=bad)),
+            final("plain", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)),
+        )
+
+    try:
+        ok_out, bad_out, plain_out = asyncio.run(main())
+        assert plain_out.finish_reason == "length"
+        assert ok_out.finish_reason in ("stop", "length") and ok_out.error is None
+        assert ok_out.output_token_ids and ok_out.text.startswith("{")
+        assert bad_out.finish_reason == "error" and bad_out.output_token_ids == []
+        assert bad_out.error.startswith("structured output") and "uniqueItems" in bad_out.error
+        deadline = time.monotonic() + 20
+        while engine.structured_output_stats()["live_grammar_states"] != 0:
+            assert time.monotonic() < deadline, "grammar states leaked"
+            time.sleep(0.02)
+    finally:
+        engine.shutdown()
+
+
 # ---- grammar failure isolation, ownership, preemption (SmolLM2) ----------------------------
 
 
@@ -151,24 +190,25 @@ def _prompt(engine: LLMEngine, text: str) -> list[int]:
     )
 
 
-def test_failed_submission_leaves_nothing_and_others_run(smol):
+def test_grammar_that_cannot_compile_ends_only_its_request(smol):
     good = spec_of(smol, SMALL)
-    # A spec the worker cannot compile (never admitted): binding at submission recompiles it in
-    # the background, then refuses the submission; nothing is enqueued or left bound.
+    # A spec the worker cannot compile (never admitted): it waits in the scheduler while the
+    # rank compiles it in the background, then ends with a structured-output error, having
+    # generated nothing and left nothing bound; the other requests run.
     bad = StructuredOutputSpec("never-admitted", {"type": "array", "uniqueItems": True})
     prompt = _prompt(smol, "Reply with JSON.")
     smol.add_request(
         "good", prompt, SamplingParams(temperature=0, max_tokens=16, structured_output=good)
     )
-    with pytest.raises(ValueError, match="uniqueItems") as exc:
-        smol.add_request(
-            "bad", prompt, SamplingParams(temperature=0, max_tokens=16, structured_output=bad)
-        )
-    assert str(exc.value).startswith("structured output")
+    smol.add_request(
+        "bad", prompt, SamplingParams(temperature=0, max_tokens=16, structured_output=bad)
+    )
     smol.add_request("plain", prompt, SamplingParams(temperature=0, max_tokens=4))
+    smol.step()
     assert live_states(smol) == 1  # only "good" is bound
     done = run(smol)
-    assert "bad" not in done
+    assert done["bad"].finish_reason == "error" and done["bad"].output_token_ids == []
+    assert done["bad"].error.startswith("structured output") and "uniqueItems" in done["bad"].error
     assert done["good"].finish_reason == "stop"
     validate_answer(good.constraint, done["good"].text)
     assert done["plain"].finish_reason in ("stop", "length") and done["plain"].text
@@ -177,15 +217,15 @@ def test_failed_submission_leaves_nothing_and_others_run(smol):
 
 
 def test_failure_after_binding_releases_every_rank(smol, monkeypatch):
-    """A submission that fails after the ranks bound (here: the RPC reply is lost) releases its
-    sequence list on every rank; the id can be submitted again."""
+    """A readiness poll that fails after the ranks bound (here: the RPC reply is lost) ends its
+    requests with an error and releases them on every rank; the id can be submitted again."""
     spec = spec_of(smol, SMALL)
     executor = smol.executor
     real = executor.collective_rpc
 
     def lossy(method, *args, **kwargs):
         results = real(method, *args, **kwargs)
-        if method == "structured_output_bind":
+        if method == "structured_output_prepare":
             assert live_states(smol) == 1  # bound, then the reply is lost
             raise RuntimeError("reply lost")
         return results
@@ -193,8 +233,10 @@ def test_failure_after_binding_releases_every_rank(smol, monkeypatch):
     monkeypatch.setattr(executor, "collective_rpc", lossy)
     params = SamplingParams(temperature=0, max_tokens=16, structured_output=spec)
     prompt = _prompt(smol, "Reply with JSON.")
-    with pytest.raises(ValueError, match="binding failed"):
-        smol.add_request("lost", prompt, params)
+    smol.add_request("lost", prompt, params)
+    lost = run(smol)["lost"]
+    assert lost.finish_reason == "error" and lost.output_token_ids == []
+    assert lost.error.startswith("structured output: binding failed")
     assert live_states(smol) == 0
     assert not smol.has_unfinished_requests()
     monkeypatch.setattr(executor, "collective_rpc", real)
@@ -214,16 +256,15 @@ def _closed(name: str, schema: dict) -> dict:
 
 
 def test_cache_eviction_after_admission_does_not_matter(smol, monkeypatch):
-    """With a one-entry compile cache, a request's grammar is evicted between its admission and
-    its scheduling (or even its submission): it still completes and validates, and the engine
-    loop never compiles (evicted grammars recompile only on the background executor)."""
+    """With a one-entry compile cache, a request's grammar is evicted after it was bound, or
+    between its admission and its first scheduling: it still completes and validates, and the
+    engine loop never compiles (evicted grammars recompile only on the background executor,
+    once per request: a grammar evicted again before its request's next poll is bound from the
+    compile that request waited for)."""
     import threading
 
-    runner = smol.executor.workers[0]
-    mgr = runner._so_manager
-    if mgr is None:
-        spec_of(smol, SMALL)
-        mgr = runner._so_manager
+    spec_of(smol, SMALL)  # the worker side is initialized
+    mgr = smol.executor.workers[0].structured_output.manager
     monkeypatch.setattr(mgr, "cache_size", 1)
     compile_threads: list[str] = []
     real_compile = mgr.backend.compile
@@ -238,23 +279,24 @@ def test_cache_eviction_after_admission_does_not_matter(smol, monkeypatch):
     smol.add_request(
         "evict-a", prompt, SamplingParams(temperature=0, max_tokens=24, structured_output=a)
     )
+    smol.step()  # A's grammar is cached: bound at once, A runs
+    assert live_states(smol) == 1
     b = spec_of(smol, _closed("y", {"type": "boolean"}))
     assert a.key not in mgr._ready and mgr.num_cached_grammars == 1  # A evicted, A still bound
-    # C admitted, then evicted by D before its submission: the submission is retried while C
-    # recompiles in the background, never on the caller or engine thread.
+    # B admitted, then evicted by C; C admitted, then evicted by D, both before they are first
+    # scheduled: they wait while their grammars recompile in the background.
     c = spec_of(smol, _closed("c", {"enum": ["p", "q"]}))
     spec_of(smol, {"type": "object", "properties": {"z": {"type": "string"}}})
-    assert c.key not in mgr._ready
+    assert b.key not in mgr._ready and c.key not in mgr._ready
     smol.add_request(
         "evict-c", prompt, SamplingParams(temperature=0, max_tokens=24, structured_output=c)
     )
     smol.add_request(
         "evict-b", prompt, SamplingParams(temperature=0, max_tokens=24, structured_output=b)
     )
-    assert live_states(smol) == 3
     n_compiles = len(compile_threads)
     done = run(smol)
-    assert len(compile_threads) == n_compiles  # nothing compiled while stepping
+    assert len(compile_threads) == n_compiles + 2  # C and B, once each
     assert all(name.startswith("atom-grammar") for name in compile_threads), compile_threads
     for rid, spec in (("evict-a", a), ("evict-b", b), ("evict-c", c)):
         out = done[rid]
@@ -336,6 +378,8 @@ def _drive(engine: LLMEngine, seqs: dict[str, Sequence], forced: dict[str, list[
     sampled: dict[str, list[int]] = {rid: [] for rid in seqs}
     errors: dict[str, str] = {}
     while any(not s.is_finished for s in seqs.values()):
+        if core.scheduler.num_waiting_for_grammar:
+            core._poll_grammars()  # each request's matcher is bound on every rank
         batch = core.scheduler.schedule()
         result = core.executor.execute_model(batch)
         tokens = dict(result.token_ids)
@@ -454,17 +498,18 @@ def test_eos_is_allowed_only_when_the_grammar_accepts(ds):
 
     spec = spec_of(ds, SMALL)
     runner = ds.executor.workers[0]
-    mgr = runner._so_manager
+    worker = runner.structured_output
+    mgr = worker.manager
     tok = ds.tokenizer
     eos = ds.eos_token_ids[0]
-    mgr.bind("eos-probe", spec.key)
+    assert worker.prepare([("eos-probe", spec)])["eos-probe"].status == "ready"
     try:
 
         def eos_allowed() -> bool:
             logits = torch.zeros(1, runner.model.lm_head.org_vocab_size)
             seq = Sequence("eos-probe", [0], SamplingParams(structured_output=spec))
             with torch.inference_mode():  # as inside execute_model
-                assert runner.apply_logits_mask(logits, [seq]) == {}
+                assert worker.mask_logits(logits, [seq]) == {}
             return bool(torch.isfinite(logits[0, eos]))
 
         assert not eos_allowed()  # nothing generated yet

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 HEAVY = ["llguidance", "re2", "triton", "jsonschema", "transformers"]
-SUBMODULES = ["manager", "backend_guidance", "utils", "schema", "validation"]
+SUBMODULES = ["manager", "backend_guidance", "utils", "schema", "spec", "answer", "admission"]
 
 
 def _loaded(code: str) -> dict:

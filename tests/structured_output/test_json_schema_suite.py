@@ -21,10 +21,10 @@ import pytest
 pytest.importorskip("llguidance")
 pytest.importorskip("re2")
 
+from atom.structured_output.answer import answer_error  # noqa: E402
 from atom.structured_output.backend_guidance import JSON_OPTIONS as COMPILE_OPTIONS  # noqa: E402
 from atom.structured_output.regex import translate_schema_patterns  # noqa: E402
 from atom.structured_output.schema import SchemaError, prepare_schema  # noqa: E402
-from atom.structured_output.validation import answer_error  # noqa: E402
 
 SUITE = Path(__file__).resolve().parents[1] / "data" / "json-schema-test-suite" / "draft2020-12"
 RATCHET = Path(__file__).with_name("json_schema_suite_ratchet.json")

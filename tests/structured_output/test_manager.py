@@ -1,8 +1,11 @@
-"""Worker admission, compile cache, per-request grammar state, speculation and activation."""
+"""Worker admission, compile cache, readiness and binding, per-request grammar state,
+speculation and activation."""
 
 from __future__ import annotations
 
 import importlib.util
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,9 +27,15 @@ SCHEMA = {
 }
 
 
-def spec(schema: object, key: str) -> SimpleNamespace:
-    """Shaped like ``schema.PreparedSchema`` (what admission receives)."""
-    return SimpleNamespace(key=key, lowered=schema)
+def spec(schema: object, key: str, end_marker: bytes | None = None) -> SimpleNamespace:
+    """Shaped like ``spec.StructuredOutputSpec`` (what admission and readiness receive)."""
+    return SimpleNamespace(key=key, lowered=schema, end_marker=end_marker)
+
+
+def bind(mgr, rid: str, end_marker: bytes | None = None):
+    """Bind ``rid`` to the cached ``SCHEMA`` grammar: ready at once (nothing to compile)."""
+    assert mgr.prepare(rid, spec(SCHEMA, "s", end_marker)).status == "ready"
+    return mgr.state(rid)
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +91,22 @@ def test_admission_checks_and_polling(mgr, monkeypatch) -> None:
     assert mgr.admit(spec(SCHEMA, "s"), mgr.fingerprint, VOCAB).status == "error"
 
 
-def test_bound_matcher_survives_cache_eviction(mgr, hf, rid) -> None:
+def test_bound_matcher_survives_cache_eviction(mgr, hf, rid, monkeypatch) -> None:
     assert mgr.admit(spec(SCHEMA, "s"), mgr.fingerprint, VOCAB, 60).status == "ready"
-    state = mgr.bind(rid, "s")
+    state = bind(mgr, rid)
+    compiled: list[object] = []
+    real_compile = mgr.backend.compile
+    monkeypatch.setattr(
+        mgr.backend, "compile", lambda lowered: compiled.append(lowered) or real_compile(lowered)
+    )
     for i in range(3):  # evict "s" from the 2-entry cache
         mgr.admit(spec({"type": "integer", "minimum": i}, f"i{i}"), mgr.fingerprint, VOCAB, 60)
-    with pytest.raises(LookupError):
-        mgr.bind(rid + "-again", "s")
+    try:  # another request for "s" compiles it again (in the background): it was evicted
+        assert mgr.prepare(rid + "-again", spec(SCHEMA, "s")).status in ("pending", "ready")
+        assert mgr.admit(spec(SCHEMA, "s"), mgr.fingerprint, VOCAB, 60).status == "ready"
+        assert SCHEMA in compiled
+    finally:
+        mgr.release(rid + "-again")
     assert mgr.commit(rid, enc(hf, '{"a":12')) and state.error is None
     mask = rows(1)
     mgr.fill_masks(mask, [(rid, [])])
@@ -96,9 +114,48 @@ def test_bound_matcher_survives_cache_eviction(mgr, hf, rid) -> None:
     assert mgr.commit(rid, enc(hf, "}") + [EOS]) and state.finished
 
 
+def test_prepare_binds_once_compiled_even_after_eviction(mgr, rid, monkeypatch) -> None:
+    """Readiness never waits: ``pending`` while compiling, then ``ready`` with the request's
+    own matcher, bound from the compile it waited for even if the cache evicted the grammar
+    in between (no second compile); an uncompilable grammar answers ``error``."""
+    gate = threading.Event()
+    compiled: list[object] = []
+    real_compile = mgr.backend.compile
+
+    def gated(lowered):
+        compiled.append(lowered)
+        assert gate.wait(60)
+        return real_compile(lowered)
+
+    monkeypatch.setattr(mgr.backend, "compile", gated)
+    slow = spec({"type": "array", "items": {"type": "integer"}}, "slow")
+    try:
+        assert mgr.prepare(rid, slow).status == "pending" and mgr.state(rid) is None
+        gate.set()
+        assert mgr.admit(slow, mgr.fingerprint, VOCAB, 60).status == "ready"
+        for i in range(2):  # evict "slow" before the request's next poll
+            mgr.admit(spec({"type": "integer", "maximum": i}, f"e{i}"), mgr.fingerprint, VOCAB, 60)
+        gate.clear()
+        assert mgr.admit(slow, mgr.fingerprint, VOCAB).status == "pending"  # evicted indeed
+        assert mgr.prepare(rid, slow).status == "ready" and mgr.state(rid) is not None
+        gate.set()
+        assert mgr.prepare(rid, slow).status == "ready" and mgr.num_live_states == 1
+        bad, answer = spec({"type": "array", "uniqueItems": True}, "unique"), None
+        deadline = time.monotonic() + 60
+        while answer is None or answer.status == "pending":
+            assert time.monotonic() < deadline
+            answer = mgr.prepare(rid + "-bad", bad)
+            time.sleep(0.01)
+        assert answer.status == "error" and "uniqueItems" in answer.message
+        assert mgr.state(rid + "-bad") is None
+    finally:
+        mgr.release(rid + "-bad")
+    assert compiled.count(slow.lowered) == 2  # the first compile, then the admission above
+
+
 def test_failure_marks_only_its_request(mgr, hf, rid) -> None:
     mgr.admit(spec(SCHEMA, "s"), mgr.fingerprint, VOCAB, 60)
-    bad, good = mgr.bind(rid, "s"), mgr.bind(rid + "-ok", "s")
+    bad, good = bind(mgr, rid), bind(mgr, rid + "-ok")
     try:
         assert not mgr.commit(rid, enc(hf, "hello"))
         assert bad.error and mgr.error(rid) == bad.error
@@ -113,11 +170,11 @@ def test_failure_marks_only_its_request(mgr, hf, rid) -> None:
 
 def test_speculative_rows_roll_back(mgr, hf, rid) -> None:
     mgr.admit(spec(SCHEMA, "s"), mgr.fingerprint, VOCAB, 60)
-    state = mgr.bind(rid, "s")
+    state = bind(mgr, rid)
     drafts = enc(hf, '{"a":1}')
     mask = rows(len(drafts) + 2)
     assert mgr.fill_masks(mask, [(rid, drafts + [EOS])]) == len(drafts) + 2
-    reference = mgr.bind(rid + "-ref", "s")
+    reference = bind(mgr, rid + "-ref")
     try:
         for j, token in enumerate(drafts + [EOS]):  # each row = the state after its prefix
             expect = rows(1)
@@ -138,7 +195,7 @@ def test_speculative_rows_roll_back(mgr, hf, rid) -> None:
 
 def test_activation_after_reasoning_marker(mgr, hf, rid) -> None:
     mgr.admit(spec(SCHEMA, "s"), mgr.fingerprint, VOCAB, 60)
-    state = mgr.bind(rid, "s", end_marker=b"</think>")
+    state = bind(mgr, rid, end_marker=b"</think>")
     mask = rows(3)
     mgr.fill_masks(mask, [(rid, [END_THINK, enc(hf, "{")[0]])])
     assert torch.equal(mask[0], mgr.masks["free"])  # still reasoning: unconstrained
@@ -159,9 +216,8 @@ def test_activation_after_reasoning_marker(mgr, hf, rid) -> None:
 
 def test_release_and_duplicates(mgr, rid) -> None:
     mgr.admit(spec(SCHEMA, "s"), mgr.fingerprint, VOCAB, 60)
-    mgr.bind(rid, "s")
-    with pytest.raises(ValueError):
-        mgr.bind(rid, "s")
+    state = bind(mgr, rid)
+    assert bind(mgr, rid) is state  # polled again: the same state, never a second one
     assert mgr.num_live_states == 1
     mgr.release(rid)
     mgr.release("never-bound")
@@ -171,20 +227,20 @@ def test_release_and_duplicates(mgr, rid) -> None:
 def test_fast_fill_matches_checked_fill_and_validates_buffer(mgr, hf, rid) -> None:
     """``fill_masks`` (pointer fast path) writes the same rows as the checked per-row fill along
     a whole answer, at any row offset, and refuses buffers it cannot write through safely."""
-    from atom.structured_output.utils import fill_bitmask_row
+    from llguidance.torch import fill_next_token_bitmask
 
-    state = mgr.bind(rid, "s")
-    mgr.bind(rid + "-twin", "s")
+    state = bind(mgr, rid)
+    bind(mgr, rid + "-twin")
     try:
         for token in enc(hf, '{"a":12}') + [EOS]:
-            fast, slow = rows(3), rows(3)
+            fast, ref = rows(3), rows(1)
             assert mgr.fill_masks(fast, [(rid + "-twin", []), (rid, [])]) == 2
-            state._fill_row(slow, 1)  # the checked path (fill_bitmask_row)
-            assert torch.equal(fast[1], slow[1]) and torch.equal(fast[0], fast[1])
-            if not state.matcher.is_stopped():
-                ref = rows(1)
-                fill_bitmask_row(state.matcher, ref, 0)
-                assert torch.equal(fast[1], ref[0])
+            assert torch.equal(fast[0], fast[1])
+            if state.matcher.is_stopped():  # terminated: only EOS remains
+                ref[0] = mgr.masks["stop"]
+            else:
+                fill_next_token_bitmask(state.matcher, ref, 0)  # the checked path
+            assert torch.equal(fast[1], ref[0])
             assert mgr.commit(rid, [token]) and mgr.commit(rid + "-twin", [token])
         assert state.finished
         with pytest.raises(IndexError):

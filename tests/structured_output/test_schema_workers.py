@@ -12,19 +12,15 @@ import pytest
 
 pytest.importorskip("re2")
 
+from atom.structured_output.answer import answer_error  # noqa: E402
 from atom.structured_output.schema import DIALECT  # noqa: E402
 from atom.structured_output.schema_workers import SchemaWorkers  # noqa: E402
-from atom.structured_output.validation import (  # noqa: E402
-    FormatError,
-    answer_error,
-    read_chat_response_format,
-)
+from atom.structured_output.spec import FormatError, OutputFormat  # noqa: E402
 
 
-def chat_format(schema: object):
-    return read_chat_response_format(
-        {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
-    )
+def chat_format(schema: object) -> OutputFormat:
+    """What the server hands over for a Chat json_schema format."""
+    return OutputFormat("json_schema", "t", schema, None, "response_format.json_schema.schema")
 
 
 def slow_schema(n: int = 300) -> dict:

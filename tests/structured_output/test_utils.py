@@ -1,52 +1,18 @@
-"""Mask buffers, llguidance row filling (single, parallel, drafts) and token snapshots."""
+"""Mask buffers and token snapshots."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-llguidance = pytest.importorskip("llguidance")
-
-from atom.model_ops.triton_structured_output import (  # noqa: E402
+from atom.model_ops.triton_structured_output import (
     apply_token_bitmask_inplace_reference,
 )
-from atom.structured_output.utils import (  # noqa: E402
+from atom.structured_output.utils import (
     MaskBuffers,
     TokenSnapshot,
-    fill_bitmask_row,
-    fill_bitmask_rows_par,
-    fill_bitmask_rows_with_drafts,
     num_mask_words,
 )
-
-EOS = 256
-
-
-class ByteTokenizer:
-    """A TokenizerWrapper-shaped toy: one token per byte plus EOS (cheap to build)."""
-
-    is_tokenizer_wrapper = True
-    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
-    eos_token_id = EOS
-    bos_token_id = None
-    special_token_ids = [EOS]
-
-    def __call__(self, text: str | bytes) -> list[int]:
-        return list(text.encode() if isinstance(text, str) else text)
-
-
-@pytest.fixture(scope="module")
-def grammar_matcher():
-    tok = llguidance.LLTokenizer(ByteTokenizer())
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(
-        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    )
-    return lambda: llguidance.LLMatcher(tok, grammar, log_level=0)
-
-
-def allowed(row: torch.Tensor) -> set[int]:
-    bits = (row.view(-1, 1).to(torch.int64) >> torch.arange(32)) & 1
-    return set(bits.flatten().nonzero().flatten().tolist())
 
 
 def test_buffers_grow_and_reuse() -> None:
@@ -70,28 +36,6 @@ def test_apply_matches_reference_with_row_indices() -> None:
     assert torch.equal(logits, want)
     with pytest.raises(ValueError):
         bufs.apply(logits, 2, [0])
-
-
-def test_fill_single_parallel_and_drafts(grammar_matcher) -> None:
-    m = grammar_matcher()
-    mask = torch.zeros(4, num_mask_words(257), dtype=torch.int32)
-    fill_bitmask_row(m, mask, 1)
-    assert allowed(mask[1]) == {ord("{")}
-
-    matchers = [grammar_matcher(), grammar_matcher()]
-    assert matchers[1].consume_tokens(list(b'{"a":1'))
-    fill_bitmask_rows_par(llguidance.LLExecutor(2), [(matchers[0], 0), (matchers[1], 3)], mask)
-    assert allowed(mask[0]) == {ord("{")}
-    assert {ord("}"), ord("2")} <= allowed(mask[3]) and ord("{") not in allowed(mask[3])
-
-    drafts = list(b'{"a"')
-    mask = torch.zeros(len(drafts) + 1, num_mask_words(257), dtype=torch.int32)
-    m = grammar_matcher()
-    fill_bitmask_rows_with_drafts(llguidance.LLExecutor(1), [(m, 0, drafts)], mask)
-    assert allowed(mask[0]) == {ord("{")}
-    assert allowed(mask[1]) >= {ord('"')} and allowed(mask[4]) >= {ord(":")}
-    fill_bitmask_row(m, mask, 0)  # the drafts were rolled back
-    assert allowed(mask[0]) == {ord("{")}
 
 
 def test_snapshot_owns_its_copy() -> None:

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from atom.config import EngineConfig, ServerConfig
+from atom.entrypoints.engine_client import EngineClient
 from atom.entrypoints.openai.errors import install_error_handlers
 from atom.entrypoints.openai.protocol import (
     AnthropicErrorResponse,
@@ -63,8 +64,8 @@ class _JSONBodyByDefault:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: Any, server_config: ServerConfig | None = None) -> FastAPI:
-    """A FastAPI app serving `engine` (an AsyncLLM, already loaded)."""
+def build_app(engine: EngineClient, server_config: ServerConfig | None = None) -> FastAPI:
+    """A FastAPI app serving `engine` (an AsyncLLM or any `EngineClient`, already loaded)."""
     serving = ServingContext(engine, server_config)
     chat = ServingChat(serving)
     responses = ServingResponses(serving)
@@ -130,10 +131,9 @@ def build_app(engine: Any, server_config: ServerConfig | None = None) -> FastAPI
     return app
 
 
-def _describe_start(engine: Any, serving: ServingContext, host: str, port: int) -> None:
+def _describe_start(engine: EngineClient, serving: ServingContext, host: str, port: int) -> None:
     cfg = engine.config
-    stats = serving._engine_stats()
-    blocks = getattr(stats, "num_total_blocks", None)
+    blocks = engine.stats().num_total_blocks
     capacity = f"{blocks * cfg.block_size} tokens ({blocks} blocks)" if blocks else "unknown"
     logger.info(
         "model %s | dtype %s | device %s | context %d | KV cache %s | adapter %s",

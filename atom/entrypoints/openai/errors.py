@@ -106,6 +106,11 @@ def loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
     return out or None
 
 
+# A malformed field inside an output format keeps the code of a refused format (the format
+# itself, absent type or unknown, is an ordinary invalid request).
+_INSIDE_FORMATS = ("response_format.", "text.format.")
+
+
 def _field_depth(loc: tuple[Any, ...] | list[Any]) -> int:
     param = loc_to_param(loc) or ""
     return param.count(".") + param.count("[") + (1 if param else 0)
@@ -141,7 +146,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     for e in errors[:3]:
         p = loc_to_param(e.get("loc", ()))
         msgs.append(f"{p or 'body'}: {e.get('msg')}")
-    return bad_request("Invalid request: " + "; ".join(msgs), param=param)
+    code = "invalid_response_format" if (param or "").startswith(_INSIDE_FORMATS) else None
+    return bad_request("Invalid request: " + "; ".join(msgs), param=param, code=code)
 
 
 def body_parse_error(cause: BaseException) -> APIError:

@@ -7,12 +7,24 @@ serving modules (the SDKs define their shapes), with the request models here doc
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictBool,
+    Tag,
+    TypeAdapter,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from atom.sampling_params import MAX_SEED, MAX_TOP_LOGPROBS, MIN_SEED
+
+if TYPE_CHECKING:
+    from atom.structured_output.spec import OutputConstraint, OutputFormat
 
 
 class _Lenient(BaseModel):
@@ -67,6 +79,108 @@ class _RequestBody(_Lenient):
                     {"param": param},
                 )
         return data
+
+
+# --------------------------------------------------------------------------------------------
+# Output formats: Chat `response_format`, Responses `text.format`, Anthropic `output_config.format`
+# --------------------------------------------------------------------------------------------
+class TextFormat(_Lenient):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Lenient):
+    type: Literal["json_object"]
+
+    def output_format(self, param: str) -> OutputFormat:
+        """This format for the structured-output package; ``param`` is where it sits."""
+        from atom.structured_output.spec import OutputFormat
+
+        return OutputFormat("json_object", None, None, None, param)
+
+
+class JsonSchemaFields(_Strict):
+    """The fields of a json_schema format: Chat nests them under `json_schema`, Responses puts
+    them beside `type`."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | StrictBool = Field(alias="schema")
+    strict: StrictBool | None = None
+
+    def output_format(self, param: str) -> OutputFormat:
+        """These fields for the structured-output package; ``param`` is where they sit."""
+        from atom.structured_output.spec import OutputFormat
+
+        return OutputFormat("json_schema", self.name, self.schema_, self.strict, f"{param}.schema")
+
+
+class ChatJsonSchemaFormat(_Lenient):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFields
+
+    def output_format(self, param: str) -> OutputFormat:
+        return self.json_schema.output_format(f"{param}.json_schema")
+
+
+class ResponsesJsonSchemaFormat(JsonSchemaFields):
+    type: Literal["json_schema"]
+
+
+class AnthropicJsonSchemaFormat(_Lenient):
+    """Refused on /v1/messages whatever it holds, so only its type is read."""
+
+    type: Literal["json_schema"]
+
+
+def _format_tag(value: Any) -> str:
+    """Formats are told apart by `type`. The tag is written `type[...]`: pydantic puts it in an
+    error's location although it is no request field, and `errors.loc_to_param` leaves out of
+    the param what holds a bracket (as it does pydantic's own union labels)."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"type[{kind}]"
+
+
+_FORMAT_TYPE = Discriminator(
+    _format_tag,
+    custom_error_type="format_type",
+    custom_error_message="must be an object whose type is 'text', 'json_object' or 'json_schema'",
+)
+_TEXT = Annotated[TextFormat, Tag("type[text]")]
+_JSON_OBJECT = Annotated[JsonObjectFormat, Tag("type[json_object]")]
+ChatResponseFormat = Annotated[
+    _TEXT | _JSON_OBJECT | Annotated[ChatJsonSchemaFormat, Tag("type[json_schema]")], _FORMAT_TYPE
+]
+ResponsesTextFormat = Annotated[
+    _TEXT | _JSON_OBJECT | Annotated[ResponsesJsonSchemaFormat, Tag("type[json_schema]")],
+    _FORMAT_TYPE,
+]
+AnthropicOutputFormat = Annotated[
+    _TEXT | _JSON_OBJECT | Annotated[AnthropicJsonSchemaFormat, Tag("type[json_schema]")],
+    _FORMAT_TYPE,
+]
+
+
+# Offline use (tests, benchmarks): the checks of a request, then preparation in this thread.
+_CHAT_FORMAT: TypeAdapter[Any] = TypeAdapter(ChatResponseFormat)
+_RESPONSES_FORMAT: TypeAdapter[Any] = TypeAdapter(ResponsesTextFormat)
+
+
+def parse_chat_response_format(value: object) -> OutputConstraint | None:
+    """A Chat `response_format` checked as in a request (pydantic's ValidationError when
+    malformed) and prepared in this thread (FormatError naming the schema field); None for
+    absent or text."""
+    fmt = None if value is None else _CHAT_FORMAT.validate_python(value)
+    if fmt is None or fmt.type == "text":
+        return None
+    return fmt.output_format("response_format").prepare()
+
+
+def parse_responses_text_format(value: object) -> OutputConstraint | None:
+    """A Responses `text.format`, as ``parse_chat_response_format`` reads a Chat one."""
+    fmt = None if value is None else _RESPONSES_FORMAT.validate_python(value)
+    if fmt is None or fmt.type == "text":
+        return None
+    return fmt.output_format("text.format").prepare()
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,7 +259,7 @@ class ChatCompletionRequest(_RequestBody):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     n: int | None = Field(default=1, ge=1, le=1)
-    response_format: dict[str, Any] | None = None
+    response_format: ChatResponseFormat | None = None
     reasoning_effort: str | None = None
     thinking: ChatThinking | None = None
     tools: list[dict[str, Any]] | None = None
@@ -216,7 +330,7 @@ ResponsesInputItem = Annotated[
 
 
 class ResponsesTextConfig(_Lenient):
-    format: dict[str, Any] | None = None
+    format: ResponsesTextFormat | None = None
     verbosity: str | None = None
 
 
@@ -305,7 +419,7 @@ class AnthropicThinkingConfig(_Lenient):
 
 class AnthropicOutputConfig(_Lenient):
     effort: str | None = None
-    format: dict[str, Any] | None = None
+    format: AnthropicOutputFormat | None = None
 
 
 class AnthropicMessagesRequest(_RequestBody):

@@ -2,14 +2,40 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from openai.types.chat import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionTokenLogprob,
+)
+from openai.types.chat.chat_completion import Choice, ChoiceLogprobs
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkLogprobs
+from openai.types.chat.chat_completion_token_logprob import TopLogprob
+from openai.types.completion_usage import (
+    CompletionTokensDetails,
+    CompletionUsage,
+    PromptTokensDetails,
+)
 
-from atom.entrypoints.openai.errors import APIError, bad_request
+from atom.entrypoints.openai.errors import bad_request
+from atom.entrypoints.openai.metrics import RequestTracker
+from atom.entrypoints.openai.pieces import (
+    AnswerDelta,
+    Failed,
+    Finished,
+    HeldLogprobs,
+    ReasoningDelta,
+    generate_pieces,
+    settle,
+)
 from atom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatImagePart,
@@ -20,20 +46,13 @@ from atom.entrypoints.openai.protocol import (
 from atom.entrypoints.openai.serving_engine import (
     RenderedPrompt,
     ServingContext,
-    generation_error,
     random_id,
     run_until_disconnect,
-    stream_pieces,
-    structured_output_error,
-    structured_output_final_check,
     structured_output_preflight,
 )
-from atom.entrypoints.openai.sse import DONE, SSEResponse, data_event
-from atom.entrypoints.reasoning import REASONING
-
-logger = logging.getLogger("atom.api")
-
-FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
+from atom.entrypoints.openai.sse import DONE, SSEResponse, data_event, wire
+from atom.model_engine.output import RequestOutput, TokenLogprob
+from atom.sampling_params import SamplingParams
 
 
 def _content_text(msg: ChatMessage, i: int) -> str | None:
@@ -98,11 +117,53 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+@dataclass
+class _Chunks:
+    """The chunks of one streamed completion, all with the same id, creation time and model."""
+
+    request_id: str
+    model: str
+    include_usage: bool  # then every chunk but the last says `"usage": null`
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _chunk(self, choices: list[ChunkChoice], **usage: Any) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.request_id,
+            object="chat.completion.chunk",
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            **usage,
+        )
+
+    def delta(
+        self,
+        delta: ChoiceDelta,
+        logprobs: list[ChatCompletionTokenLogprob] | None = None,
+        **finish: Any,
+    ) -> ChatCompletionChunk:
+        finish.setdefault("finish_reason", None)
+        lp = None if logprobs is None else ChunkLogprobs(content=logprobs)
+        choice = ChunkChoice(index=0, delta=delta, logprobs=lp, **finish)
+        return self._chunk([choice], **({"usage": None} if self.include_usage else {}))
+
+    def finish(self, done: Finished) -> ChatCompletionChunk:
+        return self.delta(ChoiceDelta(), finish_reason=done.finish_reason, **_stop_reason(done))
+
+    def usage(self, usage: CompletionUsage) -> ChatCompletionChunk:
+        return self._chunk([], usage=usage)
+
+
+def _stop_reason(done: Finished) -> dict[str, str]:
+    """`stop_reason`: the stop string that ended the answer (absent otherwise)."""
+    return {} if done.stop_string is None else {"stop_reason": done.stop_string}
+
+
 class ServingChat:
     def __init__(self, serving: ServingContext):
         self.s = serving
 
-    def _logprobs_entries(self, entries: list[Any], top: int) -> list[dict[str, Any]]:
+    def _token_logprob(self, lp: TokenLogprob, top: int) -> ChatCompletionTokenLogprob:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             raw = self.s.token_bytes(token_id)
             return {
@@ -111,13 +172,18 @@ class ServingChat:
                 "bytes": list(raw),
             }
 
-        return [
-            {
-                **entry(lp.token_id, lp.logprob),
-                "top_logprobs": [entry(tid, p) for tid, p in (lp.top or [])[:top]],
-            }
-            for lp in entries
-        ]
+        top_logprobs = [TopLogprob(**entry(tid, p)) for tid, p in (lp.top or [])[:top]]
+        return ChatCompletionTokenLogprob(
+            **entry(lp.token_id, lp.logprob), top_logprobs=top_logprobs
+        )
+
+    def _logprobs(
+        self, entries: list[TokenLogprob] | None, top: int
+    ) -> list[ChatCompletionTokenLogprob] | None:
+        """The API entries of engine logprobs (None: not requested, or not on this chunk)."""
+        if entries is None:
+            return None
+        return [self._token_logprob(lp, top) for lp in entries]
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Any:
         s = self.s
@@ -169,7 +235,6 @@ class ServingChat:
             param="response_format",
             rendered=rendered,
             params=params,
-            request_id=request_id,
             endpoint="chat",
         )
         tracker = s.metrics.tracker("chat")
@@ -183,144 +248,80 @@ class ServingChat:
         )
         return await self._full_response(request_id, req, rendered, params, final, logprobs, top)
 
-    def _usage(
-        self, rendered: RenderedPrompt, n_out: int, cached: int, reasoning_tokens: int | None
-    ):
-        usage: dict[str, Any] = {
-            "prompt_tokens": len(rendered.token_ids),
-            "completion_tokens": n_out,
-            "total_tokens": len(rendered.token_ids) + n_out,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-        if reasoning_tokens is not None:
-            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    def _usage(self, done: Finished) -> CompletionUsage:
+        usage = CompletionUsage(
+            prompt_tokens=done.prompt_tokens,
+            completion_tokens=done.output_tokens,
+            total_tokens=done.prompt_tokens + done.output_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=done.cached_tokens),
+        )
+        if self.s.dialect is not None:
+            usage.completion_tokens_details = CompletionTokensDetails(
+                reasoning_tokens=done.reasoning_tokens
+            )
         return usage
 
-    def _reasoning_tokens(self, reasoning: str) -> int | None:
-        if self.s.dialect is None:
-            return None
-        return len(self.s.encoder.encode(reasoning)) if reasoning else 0
-
     async def _full_response(
-        self, request_id, req, rendered, params, final, logprobs, top
+        self,
+        request_id: str,
+        req: ChatCompletionRequest,
+        rendered: RenderedPrompt,
+        params: SamplingParams,
+        final: RequestOutput,
+        logprobs: list[TokenLogprob],
+        top: int,
     ) -> dict[str, Any]:
-        if final.finish_reason == "error":
-            raise generation_error(final.error)
         reasoning, text = self.s.split_reasoning(rendered, final.text)
-        invalid = await structured_output_final_check(self.s, params, text, final.finish_reason)
-        if invalid is not None:
-            raise structured_output_error(invalid)
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if self.s.dialect is not None and (reasoning or rendered.in_reasoning):
-            message["reasoning_content"] = reasoning
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": message,
-            "logprobs": {"content": self._logprobs_entries(logprobs, top)}
-            if req.logprobs
-            else None,
-            "finish_reason": FINISH_REASONS.get(final.finish_reason or "stop", "stop"),
-        }
-        if isinstance(final.stop_reason, str):
-            choice["stop_reason"] = final.stop_reason
-        return {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": req.model,
-            "choices": [choice],
-            "usage": self._usage(
-                rendered,
-                len(final.output_token_ids),
-                final.num_cached_tokens,
-                self._reasoning_tokens(reasoning),
-            ),
-        }
+        done = await settle(self.s, rendered, params, final, reasoning, text)
+        if isinstance(done, Failed):
+            raise done.error
+        message: dict[str, Any] = {"role": "assistant", "content": done.answer}
+        if self.s.dialect is not None and (done.reasoning or rendered.in_reasoning):
+            message["reasoning_content"] = done.reasoning
+        entries = self._logprobs(logprobs, top) if req.logprobs else None
+        choice = Choice(
+            index=0,
+            message=ChatCompletionMessage(**message),
+            logprobs=None if entries is None else ChoiceLogprobs(content=entries),
+            finish_reason=done.finish_reason,
+            **_stop_reason(done),
+        )
+        completion = ChatCompletion(
+            id=request_id,
+            object="chat.completion",
+            created=int(time.time()),
+            model=req.model,
+            choices=[choice],
+            usage=self._usage(done),
+        )
+        return wire(completion)
 
     async def _stream(
-        self, request_id, req, rendered, params, tracker, include_usage, top
+        self,
+        request_id: str,
+        req: ChatCompletionRequest,
+        rendered: RenderedPrompt,
+        params: SamplingParams,
+        tracker: RequestTracker,
+        include_usage: bool,
+        top: int,
     ) -> AsyncIterator[str]:
-        s = self.s
-        created = int(time.time())
-        usage_field = {"usage": None} if include_usage else {}
-
-        def chunk(delta: dict[str, Any], finish: str | None = None, logprobs=None, **extra) -> str:
-            c = {
-                "index": 0,
-                "delta": delta,
-                "logprobs": logprobs,
-                "finish_reason": finish,
-                **extra,
-            }
-            return data_event(
-                {
-                    "id": request_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": req.model,
-                    "choices": [c],
-                    **usage_field,
-                }
-            )
-
-        yield chunk({"role": "assistant", "content": ""})
-        parser = s.reasoning_parser(rendered)
-        final = None
-        try:
-            async for out in s.generate(request_id, rendered, params, tracker):
-                final = out
-                if out.finished and out.finish_reason == "error":
-                    break
-                pieces = stream_pieces(parser, out.delta_text, out.finished)
-                lp = (
-                    {"content": self._logprobs_entries(out.logprobs or [], top)}
-                    if req.logprobs
-                    else None
-                )
-                for channel, text in pieces:
-                    key = "reasoning_content" if channel == REASONING else "content"
-                    yield chunk({key: text}, logprobs=lp)
-                    lp = None
-                if lp is not None and lp["content"]:
-                    yield chunk({}, logprobs=lp)
-        except APIError as e:
-            yield data_event(e.openai_body())
-            yield DONE
-            return
-        except Exception as e:  # a bug mid-stream: end the stream with an error, not a cut
-            logger.exception("chat stream %s failed", request_id)
-            err = APIError(f"internal error: {e}", status=500, code="internal_error")
-            yield data_event(err.openai_body())
-            yield DONE
-            return
-        if final is None or final.finish_reason == "error":
-            err = generation_error(final.error if final is not None else None)
-            yield data_event(err.openai_body())
-            yield DONE
-            return
-        answer = parser.text if parser is not None else final.text
-        invalid = await structured_output_final_check(self.s, params, answer, final.finish_reason)
-        if invalid is not None:
-            yield data_event(structured_output_error(invalid).openai_body())
-            yield DONE
-            return
-        extra = {"stop_reason": final.stop_reason} if isinstance(final.stop_reason, str) else {}
-        yield chunk({}, finish=FINISH_REASONS.get(final.finish_reason or "stop", "stop"), **extra)
-        if include_usage:
-            reasoning = parser.reasoning if parser is not None else ""
-            yield data_event(
-                {
-                    "id": request_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": req.model,
-                    "choices": [],
-                    "usage": self._usage(
-                        rendered,
-                        len(final.output_token_ids),
-                        final.num_cached_tokens,
-                        self._reasoning_tokens(reasoning),
-                    ),
-                }
-            )
+        chunks = _Chunks(request_id, req.model, include_usage)
+        yield data_event(chunks.delta(ChoiceDelta(role="assistant", content="")))
+        async for piece in generate_pieces(self.s, request_id, rendered, params, tracker):
+            match piece:
+                case ReasoningDelta(text=text, logprobs=logprobs):
+                    delta = ChoiceDelta(reasoning_content=text)
+                    yield data_event(chunks.delta(delta, self._logprobs(logprobs, top)))
+                case AnswerDelta(text=text, logprobs=logprobs):
+                    delta = ChoiceDelta(content=text)
+                    yield data_event(chunks.delta(delta, self._logprobs(logprobs, top)))
+                case HeldLogprobs(logprobs=logprobs):
+                    yield data_event(chunks.delta(ChoiceDelta(), self._logprobs(logprobs, top)))
+                case Finished():
+                    yield data_event(chunks.finish(piece))
+                    if include_usage:
+                        yield data_event(chunks.usage(self._usage(piece)))
+                case Failed(error=error):
+                    yield data_event(error.openai_body())
         yield DONE

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -31,10 +31,21 @@ from atom.entrypoints.deployments import (
     get_adapter,
 )
 from atom.entrypoints.encoders import ChatTemplateError, get_encoder
+from atom.entrypoints.engine_client import EngineClient
 from atom.entrypoints.openai.errors import APIError, bad_request, model_not_found
 from atom.entrypoints.openai.metrics import ApiMetrics, RequestTracker
 from atom.entrypoints.reasoning import ReasoningDialect, ReasoningParser, get_dialect
+from atom.model_engine.output import RequestOutput, TokenLogprob
 from atom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from atom.entrypoints.openai.protocol import (
+        AnthropicOutputFormat,
+        ChatResponseFormat,
+        ResponsesTextFormat,
+    )
+    from atom.structured_output.schema_workers import SchemaWorkers
+    from atom.structured_output.spec import StructuredOutputSpec
 
 logger = logging.getLogger("atom.api")
 
@@ -64,11 +75,10 @@ async def structured_output_preflight(
     serving: ServingContext,
     *,
     request: Any,
-    fmt: dict[str, Any] | None,
+    fmt: ChatResponseFormat | ResponsesTextFormat | AnthropicOutputFormat | None,
     param: str,
     rendered: RenderedPrompt,
     params: SamplingParams,
-    request_id: str,
     endpoint: str,
 ) -> Any:
     """Check a requested output format before enqueue and return the structured-output spec to
@@ -76,23 +86,15 @@ async def structured_output_preflight(
 
     Called by every endpoint after the prompt is rendered and tokenized and the output cap is
     resolved (so the context budget is already validated), before the request is enqueued.
-    Order: format parsing (400 naming the field, JSON pointer in the message), features that
-    cannot be combined with a constraint (4xx naming the field), the deployment's reasoning
-    dialect, then the admission RPC to every rank (fingerprint, vocabulary/LM head, compile and
-    cache). Unconstrained requests return before anything of `atom.structured_output` loads.
+    The format's shape was checked with the request body (a 400 naming the field). Order:
+    /v1/messages refuses any constraint, then features that cannot be combined with one (4xx
+    naming the field), the schema (400 naming the field, JSON pointer in the message), the
+    deployment's reasoning dialect, then the admission RPC to every rank (fingerprint,
+    vocabulary/LM head, compile and cache). Unconstrained requests return before anything of
+    `atom.structured_output` loads.
     """
-    if fmt is None:
+    if fmt is None or fmt.type == "text":
         return None
-    if not isinstance(fmt, dict) or "type" not in fmt:
-        raise bad_request(f"{param} must be an object with a 'type'", param=param)
-    ftype = fmt.get("type")
-    if ftype == "text":
-        return None
-    if ftype not in ("json_object", "json_schema"):
-        raise bad_request(
-            f"unsupported {param}.type {ftype!r}; expected 'text', 'json_object' or 'json_schema'",
-            param=param,
-        )
     if endpoint == "messages":
         raise bad_request(
             f"{param}: constrained output is not supported on /v1/messages yet; use "
@@ -100,29 +102,24 @@ async def structured_output_preflight(
             param=param,
             code="structured_output_unsupported",
         )
-    from atom.structured_output import validation as so
+    from atom.structured_output.spec import (
+        FormatError,
+        StructuredOutputSpec,
+        check_request_features,
+    )
 
     try:
-        read = so.read_chat_response_format if endpoint == "chat" else so.read_responses_text_format
-        output_format = read(fmt)
-        if output_format is None:
-            return None
-        so.check_request_features(
+        check_request_features(
             stop=list(params.stop or []),
-            stop_param="stop_sequences" if endpoint == "messages" else "stop",
             stop_token_ids=list(params.stop_token_ids or []),
             ignore_eos=params.ignore_eos,
             multimodal_param=_multimodal_param(request, endpoint),
             tools=serving.filter_tools(getattr(request, "tools", None), "tools"),
-            logprobs=params.logprobs is not None,
-            speculative=getattr(serving.engine_config, "speculative_config", None) is not None,
             param=param,
         )
-        constraint = await serving.schema_workers.prepare(output_format)
-    except so.FormatError as e:
-        raise bad_request(
-            e.message, param=e.param, code=getattr(e, "code", "invalid_response_format")
-        ) from None
+        constraint = await serving.schema_workers.prepare(fmt.output_format(param))
+    except FormatError as e:
+        raise bad_request(e.message, param=e.param, code=e.code) from None
     dialect = serving.dialect
     if dialect is not None and dialect.framed:
         raise bad_request(
@@ -134,30 +131,27 @@ async def structured_output_preflight(
     end_marker = None
     if dialect is not None and rendered.in_reasoning:
         end_marker = dialect.end_marker.encode("utf-8")
-    spec = so.StructuredOutputSpec.of(constraint, end_marker)
-    rpc = getattr(serving.engine, "collective_rpc", None)
-    vocab_size = getattr(serving.hf_config, "vocab_size", None)
-    if rpc is None or not asyncio.iscoroutinefunction(rpc) or vocab_size is None:
-        raise bad_request(
-            f"{param}: this deployment has no collective worker RPC for structured output",
-            param=param,
-            code="structured_output_unsupported",
-        )
+    spec = StructuredOutputSpec.of(constraint, end_marker)
+    await _admit(serving, spec, param)
+    return spec
+
+
+async def _admit(serving: ServingContext, spec: StructuredOutputSpec, param: str) -> None:
+    """The admission RPC to every rank (a 400 naming ``param`` when a rank refuses)."""
+    from atom.structured_output.admission import AdmissionError, admit_on_workers, api_fingerprint
+
+    vocab_size = serving.hf_config.vocab_size
     fingerprint = await anyio.to_thread.run_sync(
-        so.api_fingerprint,
-        serving.tokenizer,
-        list(getattr(serving.engine, "eos_token_ids", [])),
-        vocab_size,
+        api_fingerprint, serving.tokenizer, list(serving.engine.eos_token_ids), vocab_size
     )
     try:
-        await so.admit_on_workers(rpc, spec, fingerprint, vocab_size)
-    except so.AdmissionError as e:
+        await admit_on_workers(serving.engine.collective_rpc, spec, fingerprint, vocab_size)
+    except AdmissionError as e:
         raise bad_request(
             f"{param}: structured output admission failed: {e}",
             param=param,
             code="structured_output_rejected",
         ) from None
-    return spec
 
 
 def _multimodal_param(request: Any, endpoint: str) -> str | None:
@@ -214,27 +208,15 @@ async def structured_output_final_check(
     return None if invalid is None else f"structured output: {invalid}"
 
 
-def stream_pieces(
-    parser: ReasoningParser | None, delta: str, finished: bool
-) -> list[tuple[str, str]]:
-    """(channel, text) pieces of one streamed delta; without a dialect all of it is answer text."""
-    if parser is None:
-        return [("text", delta)]
-    pieces = parser.feed(delta)
-    if finished:
-        pieces += parser.finish()
-    return pieces
-
-
 class ServingContext:
     """The served deployment and the engine it runs on."""
 
-    def __init__(self, engine: Any, server_config: ServerConfig | None = None):
+    def __init__(self, engine: EngineClient, server_config: ServerConfig | None = None):
         server_config = server_config or ServerConfig()
         self.engine = engine
         self.server_config = server_config
         self.tokenizer = engine.tokenizer
-        self.hf_config = getattr(engine, "hf_config", None)
+        self.hf_config = engine.hf_config
         self.engine_config = engine.config
         self.model_name: str = engine.model_name
         self.adapter: DeploymentAdapter = get_adapter(server_config.model_adapter, self.hf_config)
@@ -245,15 +227,13 @@ class ServingContext:
             self.adapter.reasoning_dialect, self.tokenizer
         )
         self.encoder = get_encoder(self.adapter.chat_encoder, self.tokenizer)
-        self.metrics = ApiMetrics(
-            self._engine_stats, getattr(engine, "structured_output_stats", None)
-        )
+        self.metrics = ApiMetrics(engine.stats, engine.structured_output_stats)
         self._token_bytes: dict[int, bytes] = {}
-        self._schema_workers: Any = None
+        self._schema_workers: SchemaWorkers | None = None
         self.created = int(time.time())
 
     @property
-    def schema_workers(self) -> Any:
+    def schema_workers(self) -> SchemaWorkers:
         """The structured-output worker processes, started by the first constrained request."""
         if self._schema_workers is None:
             from atom.structured_output.schema_workers import SchemaWorkers
@@ -268,15 +248,11 @@ class ServingContext:
         if self._schema_workers is not None:
             self._schema_workers.close()
 
-    def _engine_stats(self) -> Any:
-        stats = getattr(self.engine, "stats", None)
-        return stats() if callable(stats) else None
-
     # ---- model ----------------------------------------------------------------------------
     @property
     def served_names(self) -> list[str]:
         names = [self.model_name]
-        alias = getattr(self.engine_config, "served_model_name", None)
+        alias = self.engine_config.served_model_name
         if alias and alias not in names:
             names.append(alias)
         return names
@@ -417,7 +393,7 @@ class ServingContext:
         rendered: RenderedPrompt,
         params: SamplingParams,
         tracker: RequestTracker,
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncIterator[RequestOutput]:
         """engine.generate with metrics; aborts the engine request on any early exit."""
         tracker.prompt(len(rendered.token_ids))
         finished = False
@@ -454,10 +430,10 @@ class ServingContext:
         rendered: RenderedPrompt,
         params: SamplingParams,
         tracker: RequestTracker,
-    ) -> tuple[Any, list[Any]]:
+    ) -> tuple[RequestOutput, list[TokenLogprob]]:
         """Run to completion; returns (final output, all logprobs entries)."""
         final = None
-        logprobs: list[Any] = []
+        logprobs: list[TokenLogprob] = []
         async for out in self.generate(request_id, rendered, params, tracker):
             if out.logprobs:
                 logprobs.extend(out.logprobs)
@@ -494,16 +470,9 @@ class ServingContext:
 @functools.cache
 def _byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode (the alphabet of byte-level BPE vocabularies)."""
-    bs = list(range(ord("!"), ord("~") + 1))
-    bs += list(range(ord("\xa1"), ord("\xac") + 1)) + list(range(ord("\xae"), ord("\xff") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 async def run_until_disconnect(raw_request: Request, awaitable: Awaitable[T]) -> T:

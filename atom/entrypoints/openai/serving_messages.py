@@ -3,13 +3,38 @@
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from anthropic.types import (
+    Message,
+    MessageDeltaUsage,
+    RawContentBlockDeltaEvent,
+    RawContentBlockStartEvent,
+    RawContentBlockStopEvent,
+    RawMessageDeltaEvent,
+    RawMessageStartEvent,
+    RawMessageStopEvent,
+    TextBlock,
+    TextDelta,
+    ThinkingBlock,
+    ThinkingDelta,
+    Usage,
+)
+from anthropic.types.raw_message_delta_event import Delta
+from anthropic.types.shared import APIErrorObject, ErrorResponse
 from fastapi import Request
 
-from atom.entrypoints.openai.errors import APIError, bad_request
+from atom.entrypoints.openai.errors import bad_request
+from atom.entrypoints.openai.metrics import RequestTracker
+from atom.entrypoints.openai.pieces import (
+    AnswerDelta,
+    Failed,
+    Finished,
+    ReasoningDelta,
+    generate_pieces,
+    settle,
+)
 from atom.entrypoints.openai.protocol import (
     AnthropicImageBlock,
     AnthropicMessagesRequest,
@@ -24,13 +49,12 @@ from atom.entrypoints.openai.serving_engine import (
     ServingContext,
     random_id,
     run_until_disconnect,
-    stream_pieces,
     structured_output_preflight,
 )
-from atom.entrypoints.openai.sse import SSEResponse, typed_event
-from atom.entrypoints.reasoning import REASONING
-
-logger = logging.getLogger("atom.api")
+from atom.entrypoints.openai.sse import SSEResponse, typed_event, wire
+from atom.entrypoints.reasoning import REASONING, TEXT
+from atom.model_engine.output import RequestOutput
+from atom.sampling_params import SamplingParams
 
 
 def _tool_result_text(block: AnthropicToolResultBlock) -> str:
@@ -112,6 +136,78 @@ def _template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] 
     ]
 
 
+def _usage(input_tokens: int, output_tokens: int = 0, cached_tokens: int = 0) -> Usage:
+    return Usage(
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        cache_creation_input_tokens=0,
+        cache_read_input_tokens=cached_tokens,
+    )
+
+
+def _stop(done: Finished) -> dict[str, Any]:
+    """`stop_reason` and `stop_sequence` of a finished message."""
+    if done.finish_reason == "length":
+        return {"stop_reason": "max_tokens", "stop_sequence": None}
+    if done.stop_string is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": done.stop_string}
+    return {"stop_reason": "end_turn", "stop_sequence": None}
+
+
+class _Blocks:
+    """The content blocks of one streamed message, one open at a time, numbered in order; a
+    message always ends with a text block (empty when the answer is)."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: str | None = None  # channel of the open block: REASONING or TEXT
+        self.text_opened = False
+
+    def _open(self, kind: str) -> list[str]:
+        events = []
+        if self.kind is not None:
+            events.append(typed_event(self._stop_event()))
+        self.index += 1
+        self.kind = kind
+        if kind == REASONING:
+            block: ThinkingBlock | TextBlock = ThinkingBlock(
+                type="thinking", thinking="", signature=""
+            )
+        else:
+            block = TextBlock(type="text", text="")
+            self.text_opened = True
+        start = RawContentBlockStartEvent(
+            type="content_block_start", index=self.index, content_block=block
+        )
+        return [*events, typed_event(start)]
+
+    def _stop_event(self) -> RawContentBlockStopEvent:
+        return RawContentBlockStopEvent(type="content_block_stop", index=self.index)
+
+    def delta(self, kind: str, text: str) -> list[str]:
+        events = self._open(kind) if self.kind != kind else []
+        if kind == REASONING:
+            delta: ThinkingDelta | TextDelta = ThinkingDelta(type="thinking_delta", thinking=text)
+        else:
+            delta = TextDelta(type="text_delta", text=text)
+        event = RawContentBlockDeltaEvent(type="content_block_delta", index=self.index, delta=delta)
+        return [*events, typed_event(event)]
+
+    def finish(self, done: Finished) -> list[str]:
+        events = [] if self.text_opened else self._open(TEXT)
+        message_delta = RawMessageDeltaEvent(
+            type="message_delta",
+            delta=Delta(**_stop(done)),
+            usage=MessageDeltaUsage(output_tokens=done.output_tokens),
+        )
+        return [
+            *events,
+            typed_event(self._stop_event()),
+            typed_event(message_delta),
+            typed_event(RawMessageStopEvent(type="message_stop")),
+        ]
+
+
 class ServingMessages:
     def __init__(self, serving: ServingContext):
         self.s = serving
@@ -148,7 +244,6 @@ class ServingMessages:
             param="output_config.format",
             rendered=rendered,
             params=params,
-            request_id=message_id,
             endpoint="messages",
         )
         tracker = s.metrics.tracker("messages")
@@ -157,136 +252,67 @@ class ServingMessages:
         final, _ = await run_until_disconnect(
             raw_request, s.collect(message_id, rendered, params, tracker)
         )
-        return self._full(message_id, req, rendered, final)
+        return await self._full(message_id, req, rendered, params, final)
 
-    @staticmethod
-    def _stop(final: Any) -> tuple[str, str | None]:
-        if final.finish_reason == "length":
-            return "max_tokens", None
-        if isinstance(final.stop_reason, str):
-            return "stop_sequence", final.stop_reason
-        return "end_turn", None
-
-    def _usage(self, rendered: RenderedPrompt, final: Any | None) -> dict[str, Any]:
-        return {
-            "input_tokens": len(rendered.token_ids),
-            "output_tokens": len(final.output_token_ids) if final is not None else 0,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": final.num_cached_tokens if final is not None else 0,
-        }
-
-    def _full(self, message_id: str, req, rendered: RenderedPrompt, final: Any) -> dict[str, Any]:
-        if final.finish_reason == "error":
-            raise APIError(final.error or "generation failed", status=500)
+    async def _full(
+        self,
+        message_id: str,
+        req: AnthropicMessagesRequest,
+        rendered: RenderedPrompt,
+        params: SamplingParams,
+        final: RequestOutput,
+    ) -> dict[str, Any]:
         reasoning, text = self.s.split_reasoning(rendered, final.text)
-        content: list[dict[str, Any]] = []
-        if reasoning:
-            content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-        content.append({"type": "text", "text": text})
-        stop_reason, stop_sequence = self._stop(final)
-        return {
-            "id": message_id,
-            "type": "message",
-            "role": "assistant",
-            "model": req.model,
-            "content": content,
-            "stop_reason": stop_reason,
-            "stop_sequence": stop_sequence,
-            "usage": self._usage(rendered, final),
-        }
-
-    async def _stream(self, message_id, req, rendered, params, tracker) -> AsyncIterator[str]:
-        s = self.s
-        yield typed_event(
-            "message_start",
-            {
-                "type": "message_start",
-                "message": {
-                    "id": message_id,
-                    "type": "message",
-                    "role": "assistant",
-                    "model": req.model,
-                    "content": [],
-                    "stop_reason": None,
-                    "stop_sequence": None,
-                    "usage": self._usage(rendered, None),
-                },
-            },
+        done = await settle(self.s, rendered, params, final, reasoning, text)
+        if isinstance(done, Failed):
+            raise done.error
+        content: list[ThinkingBlock | TextBlock] = []
+        if done.reasoning:
+            content.append(ThinkingBlock(type="thinking", thinking=done.reasoning, signature=""))
+        content.append(TextBlock(type="text", text=done.answer))
+        message = Message(
+            id=message_id,
+            type="message",
+            role="assistant",
+            model=req.model,
+            content=content,
+            **_stop(done),
+            usage=_usage(done.prompt_tokens, done.output_tokens, done.cached_tokens),
         )
-        parser = s.reasoning_parser(rendered)
-        index = -1
-        kind: str | None = None
-        text_opened = False
+        return wire(message)
 
-        def start(new_kind: str) -> list[str]:
-            nonlocal index, kind, text_opened
-            events = []
-            if kind is not None:
-                events.append(
-                    typed_event(
-                        "content_block_stop", {"type": "content_block_stop", "index": index}
-                    )
-                )
-            index += 1
-            kind = new_kind
-            if new_kind == REASONING:
-                block = {"type": "thinking", "thinking": "", "signature": ""}
-            else:
-                block = {"type": "text", "text": ""}
-                text_opened = True
-            events.append(
-                typed_event(
-                    "content_block_start",
-                    {"type": "content_block_start", "index": index, "content_block": block},
-                )
-            )
-            return events
-
-        final = None
-        error: str | None = None
-        try:
-            async for out in s.generate(message_id, rendered, params, tracker):
-                final = out
-                if out.finished and out.finish_reason == "error":
-                    error = out.error or "generation failed"
-                    break
-                pieces = stream_pieces(parser, out.delta_text, out.finished)
-                for channel, text in pieces:
-                    want = REASONING if channel == REASONING else "text"
-                    if kind != want:
-                        for e in start(want):
-                            yield e
-                    if want == REASONING:
-                        delta = {"type": "thinking_delta", "thinking": text}
-                    else:
-                        delta = {"type": "text_delta", "text": text}
-                    yield typed_event(
-                        "content_block_delta",
-                        {"type": "content_block_delta", "index": index, "delta": delta},
-                    )
-        except APIError as e:
-            error = e.message
-        except Exception as e:  # a bug mid-stream: end the stream with an error, not a cut
-            logger.exception("messages stream %s failed", message_id)
-            error = f"internal error: {e}"
-        if final is None and error is None:
-            error = "the engine ended the request without output"
-        if error is not None:
-            yield typed_event(
-                "error", {"type": "error", "error": {"type": "api_error", "message": error}}
-            )
-            return
-        if not text_opened:
-            for e in start("text"):
-                yield e
-        yield typed_event("content_block_stop", {"type": "content_block_stop", "index": index})
-        stop_reason, stop_sequence = self._stop(final)
-        yield typed_event(
-            "message_delta",
-            {
-                "type": "message_delta",
-                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                "usage": {"output_tokens": len(final.output_token_ids)},
-            },
+    async def _stream(
+        self,
+        message_id: str,
+        req: AnthropicMessagesRequest,
+        rendered: RenderedPrompt,
+        params: SamplingParams,
+        tracker: RequestTracker,
+    ) -> AsyncIterator[str]:
+        message = Message(
+            id=message_id,
+            type="message",
+            role="assistant",
+            model=req.model,
+            content=[],
+            stop_reason=None,
+            stop_sequence=None,
+            usage=_usage(len(rendered.token_ids)),
         )
-        yield typed_event("message_stop", {"type": "message_stop"})
+        yield typed_event(RawMessageStartEvent(type="message_start", message=message))
+        blocks = _Blocks()
+        async for piece in generate_pieces(self.s, message_id, rendered, params, tracker):
+            match piece:
+                case ReasoningDelta(text=text):
+                    out = blocks.delta(REASONING, text)
+                case AnswerDelta(text=text):
+                    out = blocks.delta(TEXT, text)
+                case Finished():
+                    out = blocks.finish(piece)
+                case Failed(error=error):
+                    api_error = APIErrorObject(type="api_error", message=error.message)
+                    out = [typed_event(ErrorResponse(type="error", error=api_error))]
+                case _:  # HeldLogprobs: this endpoint streams no logprobs
+                    out = []
+            for event in out:
+                yield event

@@ -2,14 +2,47 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
+from openai.types.responses import (
+    Response,
+    ResponseCompletedEvent,
+    ResponseContentPartAddedEvent,
+    ResponseContentPartDoneEvent,
+    ResponseCreatedEvent,
+    ResponseError,
+    ResponseFailedEvent,
+    ResponseIncompleteEvent,
+    ResponseInProgressEvent,
+    ResponseOutputItemAddedEvent,
+    ResponseOutputItemDoneEvent,
+    ResponseOutputMessage,
+    ResponseOutputText,
+    ResponseReasoningItem,
+    ResponseReasoningTextDeltaEvent,
+    ResponseReasoningTextDoneEvent,
+    ResponseTextDeltaEvent,
+    ResponseTextDoneEvent,
+    ResponseUsage,
+)
+from openai.types.responses.response import IncompleteDetails
+from openai.types.responses.response_reasoning_item import Content as ReasoningText
+from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
+from pydantic import BaseModel, ValidationError
 
-from atom.entrypoints.openai.errors import APIError, bad_request
+from atom.entrypoints.openai.errors import bad_request
+from atom.entrypoints.openai.metrics import RequestTracker
+from atom.entrypoints.openai.pieces import (
+    AnswerDelta,
+    Failed,
+    Finished,
+    ReasoningDelta,
+    generate_pieces,
+    settle,
+)
 from atom.entrypoints.openai.protocol import (
     ResponsesContentPart,
     ResponsesFunctionCallItem,
@@ -23,14 +56,12 @@ from atom.entrypoints.openai.serving_engine import (
     ServingContext,
     random_id,
     run_until_disconnect,
-    stream_pieces,
-    structured_output_final_check,
     structured_output_preflight,
 )
-from atom.entrypoints.openai.sse import SSEResponse, typed_event
-from atom.entrypoints.reasoning import REASONING
-
-logger = logging.getLogger("atom.api")
+from atom.entrypoints.openai.sse import SSEResponse, typed_event, wire
+from atom.entrypoints.reasoning import REASONING, TEXT
+from atom.model_engine.output import RequestOutput
+from atom.sampling_params import SamplingParams
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
 
@@ -119,6 +150,187 @@ def _template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] 
     return out
 
 
+class ServedResponse(Response):
+    """The SDK's `Response` as this server sends it: integer timestamps, as the OpenAI API sends
+    them (the SDK types them as floats)."""
+
+    created_at: int  # type: ignore[assignment]
+    completed_at: int | None = None  # type: ignore[assignment]
+
+
+OutputItem = ResponseReasoningItem | ResponseOutputMessage
+
+
+def _failure(message: str) -> ResponseError:
+    """A failed response's error: the SDK's codes have no structured-output one, so it is a
+    `server_error` whose message says what failed ("structured output: ...")."""
+    return ResponseError(code="server_error", message=message)
+
+
+def _output_text(text: str) -> ResponseOutputText:
+    return ResponseOutputText(type="output_text", text=text, annotations=[], logprobs=[])
+
+
+def _reasoning_part(text: str) -> dict[str, str]:
+    # Each content-part event module declares its own reasoning-part class: validated from this.
+    return {"type": "reasoning_text", "text": text}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> ResponseReasoningItem:
+    closed = text or status != "in_progress"
+    content = [ReasoningText(type="reasoning_text", text=text)] if closed else []
+    return ResponseReasoningItem(
+        id=item_id, type="reasoning", summary=[], content=content, status=status
+    )
+
+
+def _message_item(item_id: str, text: str | None, status: str) -> ResponseOutputMessage:
+    return ResponseOutputMessage(
+        id=item_id,
+        type="message",
+        role="assistant",
+        status=status,
+        content=[] if text is None else [_output_text(text)],
+    )
+
+
+def _ending(done: Finished) -> dict[str, Any]:
+    """Status and incomplete details of a finished response (its items share the status)."""
+    if done.finish_reason == "length":
+        return {
+            "status": "incomplete",
+            "incomplete_details": IncompleteDetails(reason="max_output_tokens"),
+        }
+    return {"status": "completed"}
+
+
+def _usage(done: Finished) -> ResponseUsage:
+    return ResponseUsage(
+        input_tokens=done.prompt_tokens,
+        input_tokens_details=InputTokensDetails(
+            cached_tokens=done.cached_tokens, cache_write_tokens=0
+        ),
+        output_tokens=done.output_tokens,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=done.reasoning_tokens),
+        total_tokens=done.prompt_tokens + done.output_tokens,
+    )
+
+
+class _Events:
+    """The events of one streamed response, numbered in order, and its output items; the open
+    item (still in progress) is the last one."""
+
+    def __init__(self, base: ServedResponse):
+        self.base = base
+        self.sequence = 0
+        self.output: list[OutputItem] = []
+        self.kind: str | None = None  # channel of the open item: REASONING or TEXT
+        self.item_id = ""
+        self.text = ""
+
+    def _event(self, cls: type[BaseModel], etype: str, **fields: Any) -> str:
+        event = cls(type=etype, sequence_number=self.sequence, **fields)
+        self.sequence += 1
+        return typed_event(event)
+
+    def _response(self, **update: Any) -> ServedResponse:
+        return self.base.model_copy(update={"output": list(self.output), **update})
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.item_id, "output_index": len(self.output) - 1, "content_index": 0}
+
+    def start(self) -> list[str]:
+        return [
+            self._event(ResponseCreatedEvent, "response.created", response=self._response()),
+            self._event(ResponseInProgressEvent, "response.in_progress", response=self._response()),
+        ]
+
+    def open(self, kind: str) -> list[str]:
+        reasoning = kind == REASONING
+        self.item_id = random_id("rs_" if reasoning else "msg_")
+        if reasoning:
+            item: OutputItem = _reasoning_item(self.item_id, "", "in_progress")
+        else:
+            item = _message_item(self.item_id, None, "in_progress")
+        self.output.append(item)
+        self.kind, self.text = kind, ""
+        part = _reasoning_part("") if reasoning else _output_text("")
+        return [
+            self._event(
+                ResponseOutputItemAddedEvent,
+                "response.output_item.added",
+                output_index=len(self.output) - 1,
+                item=item,
+            ),
+            self._event(
+                ResponseContentPartAddedEvent,
+                "response.content_part.added",
+                part=part,
+                **self._where(),
+            ),
+        ]
+
+    def delta(self, kind: str, text: str) -> list[str]:
+        """Text for channel `kind`; a change of channel closes the open item first."""
+        events = self.close("completed") if self.kind not in (None, kind) else []
+        if self.kind is None:
+            events += self.open(kind)
+        self.text += text
+        where = self._where()
+        if kind == REASONING:
+            etype = "response.reasoning_text.delta"
+            event = self._event(ResponseReasoningTextDeltaEvent, etype, delta=text, **where)
+        else:
+            etype = "response.output_text.delta"
+            event = self._event(ResponseTextDeltaEvent, etype, delta=text, logprobs=[], **where)
+        return [*events, event]
+
+    def close(self, status: str) -> list[str]:
+        if self.kind is None:
+            return []
+        where, text = self._where(), self.text
+        if self.kind == REASONING:
+            item: OutputItem = _reasoning_item(self.item_id, text, status)
+            part: Any = _reasoning_part(text)
+            etype = "response.reasoning_text.done"
+            done = self._event(ResponseReasoningTextDoneEvent, etype, text=text, **where)
+        else:
+            item = _message_item(self.item_id, text, status)
+            part = _output_text(text)
+            etype = "response.output_text.done"
+            done = self._event(ResponseTextDoneEvent, etype, text=text, logprobs=[], **where)
+        self.output[-1] = item
+        self.kind = None
+        return [
+            done,
+            self._event(
+                ResponseContentPartDoneEvent, "response.content_part.done", part=part, **where
+            ),
+            self._event(
+                ResponseOutputItemDoneEvent,
+                "response.output_item.done",
+                output_index=where["output_index"],
+                item=item,
+            ),
+        ]
+
+    def finish(self, done: Finished) -> list[str]:
+        """Close the open item with the response's status; a response always ends with a
+        message item (empty when the answer is); then the terminal event."""
+        ending = _ending(done)
+        status = ending["status"]
+        events = self.close(status)
+        if not any(item.type == "message" for item in self.output):
+            events += self.open(TEXT) + self.close(status)
+        response = self._response(**ending, completed_at=int(time.time()), usage=_usage(done))
+        cls = ResponseIncompleteEvent if status == "incomplete" else ResponseCompletedEvent
+        return [*events, self._event(cls, f"response.{status}", response=response)]
+
+    def fail(self, message: str) -> list[str]:
+        response = self._response(status="failed", error=_failure(message))
+        return [self._event(ResponseFailedEvent, "response.failed", response=response)]
+
+
 class ServingResponses:
     def __init__(self, serving: ServingContext):
         self.s = serving
@@ -159,11 +371,10 @@ class ServingResponses:
             param="text.format",
             rendered=rendered,
             params=params,
-            request_id=response_id,
             endpoint="responses",
         )
-        tracker = s.metrics.tracker("responses")
         base = self._base(response_id, req)
+        tracker = s.metrics.tracker("responses")
         if req.stream:
             return SSEResponse(self._stream(response_id, base, rendered, params, tracker))
         final, _ = await run_until_disconnect(
@@ -171,10 +382,12 @@ class ServingResponses:
         )
         return await self._full(base, rendered, params, final)
 
-    # ---- objects --------------------------------------------------------------------------
-    def _base(self, response_id: str, req: ResponsesRequest) -> dict[str, Any]:
-        fmt = (req.text.format if req.text is not None else None) or {"type": "text"}
-        return {
+    def _base(self, response_id: str, req: ResponsesRequest) -> ServedResponse:
+        """The response object before any output; request fields are echoed as the SDK types
+        them (one that the SDK's type refuses is a 400 naming it, never a 500 later)."""
+        fmt = req.text.format if req.text is not None else None
+        effort = req.reasoning.effort if req.reasoning is not None else None
+        fields = {
             "id": response_id,
             "object": "response",
             "created_at": int(time.time()),
@@ -192,256 +405,67 @@ class ServingResponses:
             "top_p": req.top_p,
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.tools or [],
-            "text": {"format": fmt},
-            "reasoning": {
-                "effort": req.reasoning.effort if req.reasoning else None,
-                "summary": None,
-            },
+            "text": {"format": {"type": "text"} if fmt is None else wire(fmt)},
+            # the level the deployment accepted ("High" is high)
+            "reasoning": {"effort": effort.strip().lower() if effort else effort, "summary": None},
             "metadata": req.metadata or {},
             "store": False,
             "usage": None,
         }
-
-    def _usage(self, rendered: RenderedPrompt, final: Any, reasoning: str) -> dict[str, Any]:
-        n_in = len(rendered.token_ids)
-        n_out = len(final.output_token_ids)
-        n_reason = len(self.s.encoder.encode(reasoning)) if reasoning else 0
-        return {
-            "input_tokens": n_in,
-            "input_tokens_details": {
-                "cached_tokens": final.num_cached_tokens,
-                "cache_write_tokens": 0,
-            },
-            "output_tokens": n_out,
-            "output_tokens_details": {"reasoning_tokens": n_reason},
-            "total_tokens": n_in + n_out,
-        }
-
-    @staticmethod
-    def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-        return {
-            "id": item_id,
-            "type": "reasoning",
-            "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}]
-            if text or status != "in_progress"
-            else [],
-            "status": status,
-        }
-
-    @staticmethod
-    def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-        content = [] if text is None else [_output_text(text)]
-        return {
-            "id": item_id,
-            "type": "message",
-            "role": "assistant",
-            "status": status,
-            "content": content,
-        }
-
-    def _finish_status(self, resp: dict[str, Any], final: Any) -> str:
-        if final.finish_reason == "length":
-            resp["status"] = "incomplete"
-            resp["incomplete_details"] = {"reason": "max_output_tokens"}
-            return "incomplete"
-        resp["status"] = "completed"
-        return "completed"
+        try:
+            return ServedResponse(**fields)
+        except ValidationError as e:
+            error = e.errors()[0]
+            param = str(error["loc"][0])
+            raise bad_request(
+                f"{param} cannot be returned in a response object: {error['msg']}", param=param
+            ) from None
 
     async def _full(
-        self, base: dict[str, Any], rendered: RenderedPrompt, params, final
+        self,
+        base: ServedResponse,
+        rendered: RenderedPrompt,
+        params: SamplingParams,
+        final: RequestOutput,
     ) -> dict[str, Any]:
-        resp = dict(base)
-        if final.finish_reason == "error":
-            resp["status"] = "failed"
-            resp["error"] = _failure(final.error or "generation failed")
-            return resp
         reasoning, text = self.s.split_reasoning(rendered, final.text)
-        invalid = await structured_output_final_check(self.s, params, text, final.finish_reason)
-        if invalid is not None:
-            resp["status"] = "failed"
-            resp["error"] = _failure(invalid)
-            return resp
-        item_status = self._finish_status(resp, final)
-        output = []
-        if reasoning or rendered.in_reasoning:
-            output.append(self._reasoning_item(random_id("rs_"), reasoning, item_status))
-        output.append(self._message_item(random_id("msg_"), text, item_status))
-        resp["output"] = output
-        resp["completed_at"] = int(time.time())
-        resp["usage"] = self._usage(rendered, final, reasoning)
-        return resp
+        done = await settle(self.s, rendered, params, final, reasoning, text)
+        if isinstance(done, Failed):
+            failed = {"status": "failed", "error": _failure(done.error.message)}
+            return wire(base.model_copy(update=failed))
+        ending = _ending(done)
+        output: list[OutputItem] = []
+        if done.reasoning or rendered.in_reasoning:
+            output.append(_reasoning_item(random_id("rs_"), done.reasoning, ending["status"]))
+        output.append(_message_item(random_id("msg_"), done.answer, ending["status"]))
+        finished = {"output": output, "completed_at": int(time.time()), "usage": _usage(done)}
+        return wire(base.model_copy(update={**ending, **finished}))
 
-    # ---- streaming --------------------------------------------------------------------------
     async def _stream(
-        self, response_id: str, base: dict[str, Any], rendered: RenderedPrompt, params, tracker
+        self,
+        response_id: str,
+        base: ServedResponse,
+        rendered: RenderedPrompt,
+        params: SamplingParams,
+        tracker: RequestTracker,
     ) -> AsyncIterator[str]:
-        s = self.s
-        seq = 0
-        output: list[dict[str, Any]] = []
-
-        def ev(etype: str, **fields: Any) -> str:
-            nonlocal seq
-            payload = {"type": etype, "sequence_number": seq, **fields}
-            seq += 1
-            return typed_event(etype, payload)
-
-        def snapshot(status: str | None = None) -> dict[str, Any]:
-            r = dict(base)
-            r["output"] = [dict(o) for o in output]
-            if status:
-                r["status"] = status
-            return r
-
-        yield ev("response.created", response=snapshot())
-        yield ev("response.in_progress", response=snapshot())
-
-        parser = s.reasoning_parser(rendered)
-        cur: dict[str, Any] | None = None  # {"kind", "id", "index", "text"}
-
-        def open_item(kind: str) -> list[str]:
-            nonlocal cur
-            idx = len(output)
-            if kind == REASONING:
-                item_id = random_id("rs_")
-                item = self._reasoning_item(item_id, "", "in_progress")
-                part = {"type": "reasoning_text", "text": ""}
-            else:
-                item_id = random_id("msg_")
-                item = self._message_item(item_id, None, "in_progress")
-                part = _output_text("")
-            output.append(item)
-            cur = {"kind": kind, "id": item_id, "index": idx, "text": ""}
-            return [
-                ev("response.output_item.added", output_index=idx, item=item),
-                ev(
-                    "response.content_part.added",
-                    item_id=item_id,
-                    output_index=idx,
-                    content_index=0,
-                    part=part,
-                ),
-            ]
-
-        def close_item(status: str) -> list[str]:
-            nonlocal cur
-            if cur is None:
-                return []
-            c, cur = cur, None
-            idx, item_id, text = c["index"], c["id"], c["text"]
-            if c["kind"] == REASONING:
-                item = self._reasoning_item(item_id, text, status)
-                part = {"type": "reasoning_text", "text": text}
-                done = ev(
-                    "response.reasoning_text.done",
-                    item_id=item_id,
-                    output_index=idx,
-                    content_index=0,
-                    text=text,
-                )
-            else:
-                item = self._message_item(item_id, text, status)
-                part = _output_text(text)
-                done = ev(
-                    "response.output_text.done",
-                    item_id=item_id,
-                    output_index=idx,
-                    content_index=0,
-                    text=text,
-                    logprobs=[],
-                )
-            output[idx] = item
-            return [
-                done,
-                ev(
-                    "response.content_part.done",
-                    item_id=item_id,
-                    output_index=idx,
-                    content_index=0,
-                    part=part,
-                ),
-                ev("response.output_item.done", output_index=idx, item=item),
-            ]
-
-        def emit(channel: str, text: str) -> list[str]:
-            events: list[str] = []
-            kind = REASONING if channel == REASONING else "text"
-            if cur is not None and cur["kind"] != kind:
-                events += close_item("completed")
-            if cur is None:
-                events += open_item(kind)
-            assert cur is not None
-            cur["text"] += text
-            etype = (
-                "response.reasoning_text.delta"
-                if kind == REASONING
-                else "response.output_text.delta"
-            )
-            extra = {} if kind == REASONING else {"logprobs": []}
-            events.append(
-                ev(
-                    etype,
-                    item_id=cur["id"],
-                    output_index=cur["index"],
-                    content_index=0,
-                    delta=text,
-                    **extra,
-                )
-            )
-            return events
-
-        final = None
-        error: str | None = None
-        try:
-            if rendered.in_reasoning and parser is not None:
-                for e in open_item(REASONING):
-                    yield e
-            async for out in s.generate(response_id, rendered, params, tracker):
-                final = out
-                if out.finished and out.finish_reason == "error":
-                    error = out.error or "generation failed"
-                    break
-                pieces = stream_pieces(parser, out.delta_text, out.finished)
-                for channel, text in pieces:
-                    for e in emit(channel, text):
-                        yield e
-        except APIError as e:
-            error = e.message
-        except Exception as e:  # a bug mid-stream: end the stream with an error, not a cut
-            logger.exception("responses stream %s failed", response_id)
-            error = f"internal error: {e}"
-        if final is None and error is None:
-            error = "the engine ended the request without output"
-        if error is None:
-            answer = parser.text if parser is not None else final.text
-            error = await structured_output_final_check(self.s, params, answer, final.finish_reason)
-        if error is not None:
-            r = snapshot("failed")
-            r["error"] = _failure(error)
-            yield ev("response.failed", response=r)
-            return
-        r = dict(base)
-        status = self._finish_status(r, final)
-        item_status = status
-        for e in close_item(item_status):
-            yield e
-        if not any(o["type"] == "message" for o in output):
-            for e in open_item("text"):
-                yield e
-            for e in close_item(item_status):
-                yield e
-        # Items closed before the end (reasoning) keep "completed"; the last one carries status.
-        r["output"] = output
-        r["completed_at"] = int(time.time())
-        reasoning = parser.reasoning if parser is not None else ""
-        r["usage"] = self._usage(rendered, final, reasoning)
-        yield ev(f"response.{status}", response=r)
-
-
-def _failure(message: str) -> dict[str, Any]:
-    code = "structured_output_error" if message.startswith("structured output") else "server_error"
-    return {"code": code, "message": message}
-
-
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        events = _Events(base)
+        opening = events.start()
+        if rendered.in_reasoning and self.s.dialect is not None:
+            opening += events.open(REASONING)
+        for event in opening:
+            yield event
+        async for piece in generate_pieces(self.s, response_id, rendered, params, tracker):
+            match piece:
+                case ReasoningDelta(text=text):
+                    out = events.delta(REASONING, text)
+                case AnswerDelta(text=text):
+                    out = events.delta(TEXT, text)
+                case Finished():
+                    out = events.finish(piece)
+                case Failed(error=error):
+                    out = events.fail(error.message)
+                case _:  # HeldLogprobs: this endpoint streams no logprobs
+                    out = []
+            for event in out:
+                yield event

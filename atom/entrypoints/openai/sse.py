@@ -12,24 +12,35 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 DONE = "data: [DONE]\n\n"
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+def wire(model: BaseModel) -> dict[str, Any]:
+    """The JSON object of a model as this server sends it (`openai`/`anthropic` bodies and
+    events, echoed request fields): only the fields that were set, API names, and each value
+    dumped as its own type (a subclass that narrows a field, such as integer timestamps, keeps
+    its narrower type)."""
+    return model.model_dump(mode="json", by_alias=True, exclude_unset=True, serialize_as_any=True)
 
 
-def data_event(obj: Any) -> str:
-    """`data: {...}` (Chat Completions chunks)."""
+def _dumps(obj: BaseModel | dict[str, Any]) -> str:
+    data = wire(obj) if isinstance(obj, BaseModel) else obj
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def data_event(obj: BaseModel | dict[str, Any]) -> str:
+    """`data: {...}` (Chat Completions chunks and error bodies)."""
     return f"data: {_dumps(obj)}\n\n"
 
 
-def typed_event(event: str, obj: Any) -> str:
-    """`event: NAME` + `data: {...}` (Responses and Anthropic Messages)."""
-    return f"event: {event}\ndata: {_dumps(obj)}\n\n"
+def typed_event(event: BaseModel) -> str:
+    """`event: TYPE` + `data: {...}` of an event model with a `type` field (Responses and
+    Anthropic Messages name each event after its type)."""
+    return f"event: {event.type}\ndata: {_dumps(event)}\n\n"
 
 
 class SSEResponse(StreamingResponse):

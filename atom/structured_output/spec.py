@@ -1,0 +1,138 @@
+"""What a constrained request asks for and carries.
+
+``OutputFormat`` is the client's output format as the server hands it over: the API's protocol
+models (``atom/entrypoints/openai/protocol.py``) check its shape, this package never reads a
+request body. Preparing its schema gives an ``OutputConstraint``; ``StructuredOutputSpec`` is
+what travels with the request to the workers. ``check_request_features`` refuses what a
+constraint cannot be combined with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from atom.structured_output.schema import PreparedSchema, SchemaError, prepare_schema
+
+
+class FormatError(ValueError):
+    """A refused output format or request feature; ``param`` names the request field and
+    ``code`` is the API's error code."""
+
+    code = "invalid_response_format"
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(f"{message} (param: {param})")
+        self.message = message
+        self.param = param
+
+
+class UnsupportedWithConstraint(FormatError):
+    """A request feature that cannot be combined with an output constraint (a 4xx)."""
+
+    code = "structured_output_unsupported"
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """A prepared output format: what the API validates against and the workers compile."""
+
+    kind: Literal["json_object", "json_schema"]
+    name: str | None
+    schema: object | None
+    strict: bool | None
+    prepared: PreparedSchema
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """A client output format whose shape is checked; ``schema_param`` names the request field
+    that holds the schema. Preparing the schema (preflight and lowering, possibly slow) is a
+    separate step: ``prepare`` here, or in worker processes
+    (``schema_workers.SchemaWorkers.prepare``) on the server."""
+
+    kind: Literal["json_object", "json_schema"]
+    name: str | None
+    schema: object | None
+    strict: bool | None
+    schema_param: str
+
+    def constrained(self, prepared: PreparedSchema) -> OutputConstraint:
+        return OutputConstraint(self.kind, self.name, self.schema, self.strict, prepared)
+
+    def prepare(self) -> OutputConstraint:
+        """Prepare in this thread (raises ``FormatError`` naming the schema field)."""
+        schema = {"type": "object"} if self.kind == "json_object" else self.schema
+        try:
+            return self.constrained(prepare_schema(schema))
+        except SchemaError as exc:
+            raise FormatError(str(exc), self.schema_param) from None
+
+
+@dataclass
+class StructuredOutputSpec:
+    """What a constrained request carries in ``SamplingParams.structured_output``.
+
+    Workers need only ``key`` (the compile-cache key), ``lowered`` (what they compile) and
+    ``end_marker`` (the reasoning end-marker bytes when generation starts inside reasoning,
+    else None). ``constraint`` stays with the API for final validation and is not pickled
+    when the spec travels to worker processes.
+    """
+
+    key: str
+    lowered: dict
+    end_marker: bytes | None = None
+    constraint: OutputConstraint | None = field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "constraint": None}
+
+    @classmethod
+    def of(cls, constraint: OutputConstraint, end_marker: bytes | None) -> StructuredOutputSpec:
+        prepared = constraint.prepared
+        return cls(prepared.key, prepared.lowered, end_marker, constraint)
+
+
+def check_request_features(
+    *,
+    stop: list[str],
+    stop_token_ids: list[int],
+    ignore_eos: bool,
+    multimodal_param: str | None,
+    tools: list | None,
+    param: str,
+) -> None:
+    """Features that cannot be combined with an output constraint (raises, naming the field).
+    Constrained logprobs with speculative decoding join this list with speculative decoding."""
+    from atom import envs
+
+    if envs.enable_relaxed_mtp():
+        raise UnsupportedWithConstraint(
+            "constrained output is refused while ATOM_ENABLE_RELAXED_MTP=1 (relaxed speculative "
+            "acceptance could accept a token the grammar forbids)",
+            param,
+        )
+    if stop:
+        raise UnsupportedWithConstraint(
+            "custom stop strings cannot be combined with a constrained output format", "stop"
+        )
+    if stop_token_ids:
+        raise UnsupportedWithConstraint(
+            "custom stop token ids cannot be combined with a constrained output format",
+            "stop_token_ids",
+        )
+    if ignore_eos:
+        raise UnsupportedWithConstraint(
+            "ignore_eos cannot be combined with a constrained output format", "ignore_eos"
+        )
+    if multimodal_param is not None:
+        raise UnsupportedWithConstraint(
+            "multimodal input cannot be combined with a constrained output format",
+            multimodal_param,
+        )
+    if tools:
+        raise UnsupportedWithConstraint(
+            "tools cannot be combined with a constrained output format on this deployment "
+            "(its tool parser has no constrained envelope)",
+            "tools",
+        )

@@ -1,0 +1,193 @@
+"""One rank's structured output: everything a worker does for constrained requests.
+
+The model runner creates one of these on the first structured-output RPC and forwards those RPCs
+here; around the forward of a batch with constrained requests it calls ``commit`` and
+``mask_logits``, and it never touches anything else of this package. A request's life on a rank:
+
+- ``admit`` (the API, before enqueue): this rank can enforce the spec; compilation starts in
+  the background. The first call also starts this rank's lazy initialization (tokenizer and
+  grammar tokenizer, seconds for a large vocabulary) in a thread, answering ``pending``.
+- ``prepare`` (the engine core, while the request waits in the scheduler): binds the request's
+  own matcher as soon as its grammar is compiled, and says so; never waits for a compile.
+- ``commit`` acknowledged tokens, then ``mask_logits`` (fill the rows with llguidance, apply them
+  with the Triton kernel on GPU or the reference on CPU), every step it is scheduled.
+- ``release`` on any terminal path, idempotently.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from atom import envs
+from atom.config import EngineConfig
+from atom.model_engine.tokenizer import eos_token_ids, load_tokenizer
+from atom.model_ops.embed_head import ParallelLMHead
+from atom.structured_output.manager import AdmissionResult, StructuredOutputManager
+from atom.structured_output.utils import MaskBuffers
+
+if TYPE_CHECKING:
+    from atom.model_engine.scheduler import GrammarUpdate
+    from atom.model_engine.sequence import Sequence
+
+__all__ = ["StructuredOutputWorker"]
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputWorker:
+    """Owns a rank's grammar manager (built lazily), its mask buffers and its RPC answers."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: Path,
+        hf_config: Any,
+        model: torch.nn.Module,
+        device: torch.device,
+        rank: int,
+    ) -> None:
+        self.config = config
+        self.model_path = model_path
+        self.hf_config = hf_config
+        self.model = model
+        self.device = device
+        self.rank = rank
+        self.manager: StructuredOutputManager | None = None  # set by the initialization thread
+        self._init_thread: threading.Thread | None = None
+        self._init_error: str | None = None
+        self._mask_buffers: MaskBuffers | None = None  # allocated by the first mask
+
+    # ---- RPCs ----------------------------------------------------------------------------------
+
+    def admit(self, spec: Any, api_fingerprint: str, vocab_size: int, wait_s: float = 0.0) -> dict:
+        """Admission: can this rank enforce `spec`? Compiles it in the background.
+
+        Answers {"status": "ready" | "pending" | "error", "message", "rank"} without waiting for
+        a compile (wait_s=0 from the API): the engine loop is never held by compilation.
+        """
+        refusal = self._refusal()
+        if refusal is not None:
+            return self._answer("error", refusal)
+        if self.manager is None:
+            self._start_init()
+            return self._answer("pending")
+        result = self.manager.admit(spec, api_fingerprint, vocab_size, wait_s)
+        return self._answer(result.status, result.message)
+
+    def prepare(self, items: list[tuple[str, Any]]) -> dict[str, AdmissionResult]:
+        """Readiness of `(request_id, spec)` pairs waiting in the scheduler, by request id.
+
+        "ready" once the request's own matcher is bound on this rank (it keeps its compiled
+        grammar after cache eviction), "pending" while the grammar compiles in the background,
+        "error" when it cannot compile here. Polled by the engine core; never waits.
+        """
+        refusal = self._refusal()
+        if refusal is None and self.manager is None:
+            self._start_init()  # a request that skipped admission (direct engine use)
+            return {rid: AdmissionResult("pending") for rid, _ in items}
+        if refusal is not None:
+            return {rid: AdmissionResult("error", refusal) for rid, _ in items}
+        return {rid: self.manager.prepare(rid, spec) for rid, spec in items}
+
+    def release(self, request_ids: list[str]) -> None:
+        """Drop these requests' grammar state; idempotent (every terminal path may call it)."""
+        if self.manager is not None:
+            for rid in request_ids:
+                self.manager.release(rid)
+
+    def stats(self) -> dict[str, int]:
+        mgr = self.manager
+        return {
+            "live_grammar_states": 0 if mgr is None else mgr.num_live_states,
+            "cached_grammars": 0 if mgr is None else mgr.num_cached_grammars,
+        }
+
+    def shutdown(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown()
+
+    # ---- per step ------------------------------------------------------------------------------
+
+    def commit(self, updates: list[GrammarUpdate]) -> None:
+        """Advance each request's grammar by its acknowledged tokens. A rejected token marks only
+        that request; one without a state on this rank is failed by `mask_logits`."""
+        mgr = self.manager
+        if mgr is None:
+            return
+        for u in updates:
+            if mgr.state(u.request_id) is not None:
+                mgr.commit(u.request_id, u.new_token_ids)
+
+    def mask_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, str]:
+        """Grammar-mask the constrained rows of `logits` in place (after raw logprobs were taken,
+        before sampling). Returns structured-output errors by sequence id: those requests end
+        with "error" and their sampled token is dropped."""
+        mgr = self.manager
+        errors: dict[int, str] = {}
+        live: list[tuple[str, tuple]] = []
+        live_rows: list[int] = []
+        for i, seq in enumerate(seqs):
+            if seq.params.structured_output is None:
+                continue
+            state = mgr.state(seq.request_id) if mgr is not None else None
+            if state is None:
+                errors[seq.seq_id] = (
+                    "structured output: this request has no grammar state on this rank"
+                )
+            elif state.error is not None:
+                errors[seq.seq_id] = state.error
+            else:
+                live.append((seq.request_id, ()))
+                live_rows.append(i)
+        if not live:
+            return errors
+        if self._mask_buffers is None:
+            self._mask_buffers = MaskBuffers(logits.shape[1], self.device)
+        mgr.fill_masks(self._mask_buffers.host_rows(len(live)), live)
+        for (rid, _), i in zip(live, live_rows, strict=True):
+            error = mgr.error(rid)  # a matcher failure while masking: stop mask, then error
+            if error is not None:
+                errors[seqs[i].seq_id] = error
+        self._mask_buffers.apply(logits, len(live), live_rows)
+        return errors
+
+    # ---- initialization ------------------------------------------------------------------------
+
+    def _refusal(self) -> str | None:
+        """Why this rank cannot enforce any grammar, or None."""
+        if envs.enable_relaxed_mtp():
+            return "structured output is disabled with relaxed MTP"
+        if not isinstance(getattr(self.model, "lm_head", None), ParallelLMHead):
+            return "the target LM head is not a ParallelLMHead"
+        return self._init_error
+
+    def _start_init(self) -> None:
+        if self._init_thread is None:
+            self._init_thread = threading.Thread(
+                target=self._initialize, name="atom-grammar-init", daemon=True
+            )
+            self._init_thread.start()
+
+    def _initialize(self) -> None:
+        """Background: this rank's tokenizer and grammar tokenizer, then the manager."""
+        try:
+            tokenizer = load_tokenizer(self.config.tokenizer or self.model_path)
+            head = self.model.lm_head.org_vocab_size
+            self.manager = StructuredOutputManager(
+                tokenizer,
+                vocab_size=head,
+                lm_head_size=head,
+                stop_token_ids=eos_token_ids(self.hf_config, tokenizer),
+                whitespace=self.config.structured_output_whitespace,
+            )
+        except Exception as e:  # noqa: BLE001 - every later admission reports it
+            logger.exception("structured output initialization failed")
+            self._init_error = f"structured output initialization failed: {e}"
+
+    def _answer(self, status: str, message: str = "") -> dict:
+        return {"status": status, "message": message, "rank": self.rank}
