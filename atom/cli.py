@@ -52,6 +52,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=d.seed, help="engine seed")
     g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run decode steps eagerly instead of replaying CUDA graphs (graphs are CUDA only)",
+    )
+    g.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="read each step's output before scheduling the next (default: overlap them)",
+    )
+    g.add_argument(
         "--structured-output-whitespace",
         default=d.structured_output_whitespace,
         choices=get_args(StructuredOutputWhitespace),
@@ -75,6 +86,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         structured_output_whitespace=args.structured_output_whitespace,
     )
 

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 # JSON whitespace allowed in constrained answers (the grammar enforces it; clients cannot change
 # it): compact = none, space = at most one space, indent = at most one space or one newline plus
 # up to 32 spaces, flexible = any run (llguidance's own). Measured: benchmarks/bench_whitespace.py
 StructuredOutputWhitespace = Literal["compact", "space", "indent", "flexible"]
+MAX_GRAMMAR_THREADS = 16
+
+
+def default_grammar_threads() -> int:
+    """The cores this process may use, capped: the mask fill of many requests stops scaling well
+    before a large host's core count, and every rank fills its own masks."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, MAX_GRAMMAR_THREADS))
 
 
 @dataclass
@@ -29,7 +38,15 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     seed: int = 0
+    # Run decode steps eagerly instead of replaying CUDA graphs (graphs are never used on CPU).
+    enforce_eager: bool = False
+    # Schedule and submit the next step before reading the previous one's output (see
+    # model_engine/engine_core.py); off: read each step's output before scheduling the next.
+    async_scheduling: bool = True
     structured_output_whitespace: StructuredOutputWhitespace = "space"
+    # Threads of llguidance's executor, which fills the mask rows of many requests at once
+    # (structured_output/manager.py; measured: benchmarks/bench_grammar_step.py).
+    structured_output_threads: int = field(default_factory=default_grammar_threads)
 
     def __post_init__(self) -> None:
         if self.structured_output_whitespace not in get_args(StructuredOutputWhitespace):

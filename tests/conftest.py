@@ -53,11 +53,14 @@ def save_tiny_llama():
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
-    """A 2-layer random-weight Llama with the SmolLM2 tokenizer (fixed seed)."""
+def tiny_llama_dir(tmp_path_factory, request) -> Path:
+    """A 2-layer random-weight Llama with the SmolLM2 tokenizer (fixed seed). The tokenizer
+    comes from the embedded model, or from ATOM_TEST_TOKENIZER_DIR (a saved copy of it) where
+    that package is not installed: the GPU machine runs these tests without it."""
     from transformers import AutoTokenizer
 
+    source = os.environ.get("ATOM_TEST_TOKENIZER_DIR") or request.getfixturevalue("smollm2_dir")
     folder = tmp_path_factory.mktemp("tiny-llama")
     _save_tiny_llama(folder, vocab_size=49152, max_positions=2048, bos=1, eos=2)
-    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
     return folder

@@ -77,11 +77,13 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.block_table) * bs
 
     def commit(self, seq: Sequence) -> None:
-        """Register blocks that became full of computed tokens in the prefix cache."""
+        """Register blocks that became full of computed, known tokens in the prefix cache (a
+        placeholder's value is not known yet, so its block waits)."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        while (seq.num_hashed_blocks + 1) * bs <= seq.num_computed_tokens:
+        known = min(seq.num_computed_tokens, len(seq) - seq.num_placeholders)
+        while (seq.num_hashed_blocks + 1) * bs <= known:
             i = seq.num_hashed_blocks
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)

@@ -7,14 +7,27 @@ start of a stop string is held back from `delta_text` until it is known not to b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 from atom.sampling_params import SamplingParams
 
 _PROMPT_CONTEXT = 6  # prompt tokens decoded alongside the first output tokens
 
 
+def fast_decode(tokenizer) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)`, through the Rust tokenizer directly
+    when transformers would only forward to it (no clean-up of spaces): the engine decodes twice
+    per token of every request, and transformers' wrapper costs more than the decode itself."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return partial(tokenizer.decode, skip_special_tokens=True)
+    return partial(backend.decode, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
-        self.tokenizer = tokenizer
+        self.decode = fast_decode(tokenizer)
         self.ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -28,9 +41,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str | None:
         """Decode one more token; returns the stop string it completed, if any."""
         self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        prefix = self.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.decode(self.ids[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None  # incomplete UTF-8 sequence: wait for the next token
         return self._append(full[len(prefix) :])
@@ -39,9 +51,8 @@ class IncrementalDetokenizer:
         """At the end, decode tokens still held back as incomplete UTF-8 (as replacement chars)."""
         if self.stopped or self.read_offset == len(self.ids):
             return
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        prefix = self.decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self.decode(self.ids[self.prefix_offset :])
         self._append(full[len(prefix) :])
 
     def _append(self, new_text: str) -> str | None:

@@ -4,6 +4,13 @@ It can be stepped inline (offline `LLM`) or run as a busy loop in a background t
 fed through an input queue of commands: add, abort and utility calls. A utility call runs a method
 of this core on the loop thread, either awaited (a Future) or fire-and-forget.
 
+Asynchronous scheduling (`EngineConfig.async_scheduling`): a step schedules and submits the next
+batch, then reads the output of the batch submitted one step earlier, so the device computes
+while the host processes outputs and builds the next inputs. The next batch's inputs take the
+previous one's sampled ids on the device (`deferred_output`). A request that stops on a token
+the host sees only in the output has one more token in flight: it is dropped, never emitted.
+Synchronous scheduling reads each batch's output right after submitting it.
+
 Structured output: a constrained request waits in the scheduler until every rank has bound its
 grammar. Each step, while such requests wait, one collective RPC (`structured_output_prepare`)
 asks the ranks; a rank binds a request's own matcher as soon as its grammar is compiled (in that
@@ -68,6 +75,7 @@ class EngineCore:
         self.states: dict[str, _RequestState] = {}
         self._pending: list[RequestOutput] = []  # produced outside a step (aborts)
         self._grammar_release: list[str] = []  # finished constrained requests, not yet released
+        self._in_flight: ScheduledBatch | None = None  # submitted, output not read yet (async)
         self._inputs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
 
@@ -86,28 +94,51 @@ class EngineCore:
         self._flush_grammar_release()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         if self.scheduler.num_waiting_for_grammar:
             outputs += self._poll_grammars()
         batch = self.scheduler.schedule()
+        submitted = False
         if batch.seqs or batch.finished_seq_ids:
-            outputs += self._run(batch)
+            submitted, failed = self._submit(batch)
+            outputs += failed
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            outputs += self._read(previous)
+        if submitted and self.config.async_scheduling:
+            self._in_flight = batch
+        elif submitted:
+            outputs += self._read(batch)
+        if self._in_flight is not None and not self.scheduler.has_unfinished():
+            # Every request ended: what is left in flight belongs to finished requests only.
+            # Reading it now lets the engine report idle at once.
+            outputs += self._read(self._in_flight)
+            self._in_flight = None
         self._flush_grammar_release()
         return outputs
 
-    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """Execute one batch and process what it sampled."""
+    def _submit(self, batch: ScheduledBatch) -> tuple[bool, list[RequestOutput]]:
+        """Queue one batch on the ranks; on failure its requests end with an error."""
         try:
-            result = self.executor.execute_model(batch)
+            self.executor.submit_model(batch)
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
             logger.exception("model step failed")
-            return [self._fail(seq, repr(e)) for seq in list(batch.seqs)]
+            return False, [self._fail(seq, repr(e)) for seq in list(batch.seqs)]
+        return True, []
+
+    def _read(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Read a submitted batch's output and process what it sampled."""
+        try:
+            result = self.executor.take_output()
+        except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
+            logger.exception("model step failed")
+            return [self._fail(seq, repr(e)) for seq in batch.seqs if not seq.is_finished]
         outputs = [
-            self._process(seq, result.logprobs.get(seq.seq_id))
-            for seq in self.scheduler.update(batch, result.token_ids)
+            self._process(seq, token, result.logprobs.get(seq.seq_id))
+            for seq, token in self.scheduler.update(batch, result.token_ids)
         ]
         if result.errors:  # structured-output failures end only their own requests
             for seq in batch.seqs:
@@ -163,9 +194,9 @@ class EngineCore:
 
     # ---- output processing ----
 
-    def _process(self, seq: Sequence, logprob: TokenLogprob | None) -> RequestOutput:
+    def _process(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        """Detokenize a sequence's new token and apply its stop conditions."""
         state = self.states[seq.request_id]
-        token = seq.token_ids[-1]
         stop_str = state.detokenizer.add(token)
         params = seq.params
         if not params.ignore_eos and token in self.eos_token_ids:
@@ -174,7 +205,9 @@ class EngineCore:
             self.scheduler.finish(seq, "stop", token)
         elif stop_str is not None:
             self.scheduler.finish(seq, "stop", stop_str)
-        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len:
+        elif seq.num_output_tokens >= params.max_tokens or (
+            seq.num_prompt_tokens + seq.num_output_tokens >= self.config.max_model_len
+        ):
             self.scheduler.finish(seq, "length")
         return self._output(state, [logprob] if logprob is not None else [])
 
@@ -292,6 +325,10 @@ class EngineCore:
         not wait (raises `queue.Empty`)."""
         if not self.has_unfinished():
             return self._inputs.get()
-        if not self._pending and self.scheduler.only_waiting_for_grammar():
+        if (
+            not self._pending
+            and self._in_flight is None
+            and self.scheduler.only_waiting_for_grammar()
+        ):
             return self._inputs.get(timeout=GRAMMAR_POLL_S)
         return self._inputs.get_nowait()

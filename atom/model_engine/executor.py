@@ -8,7 +8,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 from atom.config import EngineConfig
-from atom.model_engine.model_runner import ModelRunner, RunnerOutput
+from atom.model_engine.deferred_output import RunnerOutput
+from atom.model_engine.model_runner import ModelRunner
 from atom.model_engine.scheduler import ScheduledBatch
 
 
@@ -20,6 +21,14 @@ class Executor(ABC):
 
     def execute_model(self, batch: ScheduledBatch) -> RunnerOutput:
         return self.collective_rpc("execute_model", batch)[0]
+
+    def submit_model(self, batch: ScheduledBatch) -> None:
+        """Queue a step on every rank without waiting for its output."""
+        self.collective_rpc("submit_model", batch)
+
+    def take_output(self) -> RunnerOutput:
+        """The oldest submitted step's output (rank 0's: every rank samples the same ids)."""
+        return self.collective_rpc("take_output")[0]
 
     def structured_output_stats(self) -> list[dict]:
         """Per-rank structured-output counters, read without waiting for the engine loop."""

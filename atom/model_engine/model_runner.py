@@ -4,6 +4,11 @@ inputs -> forward -> [commit acknowledged grammar tokens] -> logits (ParallelLMH
 logprobs -> [grammar mask of constrained target rows] -> sampler.
 Every public method is callable by name through `Executor.collective_rpc`.
 
+On CUDA the forward of a decode step replays a CUDA graph (`cuda_graph.DecodeGraphs`, captured
+at start-up unless `enforce_eager`); every other step, and every step on CPU, runs eagerly. The
+host builds a step's inputs with one tensor per field (`step_inputs`) and reads the sampled ids
+back once.
+
 The bracketed steps and the `structured_output_*` RPCs belong to this rank's
 `StructuredOutputWorker`, created by the first of those RPCs; the runner only forwards to it, and
 only for batches that carry constrained requests: an ordinary batch imports nothing of
@@ -12,16 +17,19 @@ only for batches that carry constrained requests: an ordinary batch imports noth
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import deque
+from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from atom.config import EngineConfig
-from atom.model_engine.output import TokenLogprob
-from atom.model_engine.scheduler import ScheduledBatch
-from atom.model_engine.sequence import Sequence
+from atom.model_engine.cuda_graph import DecodeGraphs
+from atom.model_engine.deferred_output import DeferredOutput, RunnerOutput
+from atom.model_engine.scheduler import GrammarUpdate, ScheduledBatch
+from atom.model_engine.sequence import PLACEHOLDER, Sequence
+from atom.model_engine.step_inputs import StepInputs, build_step_inputs
 from atom.model_loader.weights import build_model
 from atom.model_ops.attention import prepare_attention
 from atom.model_ops.context import AttentionContext, set_context
@@ -33,16 +41,6 @@ if TYPE_CHECKING:
     from atom.structured_output.worker import StructuredOutputWorker
 
 CPU_KV_CACHE_BYTES = 512 * 1024**2
-
-
-@dataclass
-class RunnerOutput:
-    """Sampled token (and logprobs when asked) per sequence id that reached its end."""
-
-    token_ids: dict[int, int]
-    logprobs: dict[int, TokenLogprob]
-    # Structured-output failures by sequence id: the request ends with finish_reason "error".
-    errors: dict[int, str] = field(default_factory=dict)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -71,6 +69,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
         self._allocate_kv_cache(hf_config)
+        self.graphs = self._capture_graphs(hf_config)
+        self._submitted: deque[DeferredOutput] = deque()  # outputs not taken yet, in order
+        self._sampled_in: dict[int, DeferredOutput] = {}  # seq id -> its latest sampling step
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._structured_output: StructuredOutputWorker | None = None  # see `structured_output`
 
     def _allocate_kv_cache(self, hf_config) -> None:
@@ -95,6 +97,19 @@ class ModelRunner:
             layer.self_attn.attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.attn.v_cache = self.kv_cache[1, i]
 
+    def _capture_graphs(self, hf_config) -> DecodeGraphs | None:
+        """Decode CUDA graphs over the allocated KV cache; none on CPU (no launch overhead worth
+        it) or with `enforce_eager`. Block tables are as wide as `max_model_len` needs, which
+        the engine later caps to the same value (the checkpoint's context or the cache)."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        capacity = self.num_blocks * self.block_size
+        max_len = self.config.max_model_len or min(hf_config.max_position_embeddings, capacity)
+        max_blocks = -(-max_len // self.block_size)
+        graphs = DecodeGraphs(self.model, self.config.max_num_seqs, max_blocks, self.device)
+        graphs.capture()
+        return graphs
+
     def kv_cache_info(self) -> dict:
         return {"num_blocks": self.num_blocks, "block_size": self.block_size}
 
@@ -113,40 +128,65 @@ class ModelRunner:
             )
         return self._structured_output
 
-    @torch.inference_mode()
+    # ---- steps: submitted in order, their outputs taken in order -------------------------------
+
+    def submit_model(self, batch: ScheduledBatch) -> None:
+        """Queue one step's forward and sampling on the device without reading its output (see
+        `deferred_output`); `take_output` returns it later."""
+        self._submitted.append(self._execute(batch))
+
+    def take_output(self) -> RunnerOutput:
+        """The output of the oldest submitted step not taken yet (waits for its host copy)."""
+        return self._submitted.popleft().result()
+
     def execute_model(self, batch: ScheduledBatch) -> RunnerOutput:
+        """Submit one step and read its output at once (synchronous scheduling)."""
+        self.submit_model(batch)
+        return self.take_output()
+
+    @torch.inference_mode()
+    def _execute(self, batch: ScheduledBatch) -> DeferredOutput:
         for seq_id in batch.finished_seq_ids:
             self.generators.pop(seq_id, None)
+            self._sampled_in.pop(seq_id, None)
         if not batch.seqs:
-            return RunnerOutput({}, {})
-        input_ids, positions, rows = self._prepare_inputs(batch)
-        hidden = self.model(input_ids, positions)
+            return DeferredOutput.empty()
+        hidden, rows = self._forward(batch)
         grammar = self.structured_output if batch.has_constrained else None
         if grammar is not None and batch.grammar_updates:  # host work overlaps the forward
-            grammar.commit(batch.grammar_updates)
+            grammar.commit(self._known_grammar_updates(batch))
         sample_seqs = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         if not sample_seqs:
-            return RunnerOutput({}, {})
+            return DeferredOutput.empty()
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        want = [s.params.logprobs for s in sample_seqs if s.params.logprobs is not None]
-        raw_logprobs = logits.log_softmax(dim=-1) if want else None  # before any mask
+        want = [s.params.logprobs for s in sample_seqs]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(k is not None for k in want) else None
         errors = grammar.mask_logits(logits, sample_seqs) if grammar is not None else {}
         token_ids = self.sampler(logits, self._sampling_tensors(sample_seqs))
-        ids = token_ids.tolist()
-        out = RunnerOutput(
-            {s.seq_id: t for s, t in zip(sample_seqs, ids, strict=True) if s.seq_id not in errors},
-            {},
-            errors,
-        )
+        logprobs = None
         if raw_logprobs is not None:
-            lp = compute_logprobs(raw_logprobs, token_ids, max(want))
-            sampled, top_ids, top_lps = lp.sampled.tolist(), lp.top_ids.tolist(), lp.top.tolist()
-            for i, s in enumerate(sample_seqs):
-                k = s.params.logprobs
-                if k is not None:
-                    top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
-                    out.logprobs[s.seq_id] = TokenLogprob(ids[i], sampled[i], top)
+            logprobs = compute_logprobs(
+                raw_logprobs, token_ids, max(k for k in want if k is not None)
+            )
+        seq_ids = [s.seq_id for s in sample_seqs]
+        out = DeferredOutput(seq_ids, token_ids, errors, logprobs, want, self.copy_stream)
+        for seq_id in seq_ids:
+            self._sampled_in[seq_id] = out
         return out
+
+    def _known_grammar_updates(self, batch: ScheduledBatch) -> list[GrammarUpdate]:
+        """The batch's grammar updates with each placeholder replaced by the token this rank
+        sampled for it (read from its step's host copy, which may wait for that copy)."""
+        seq_ids = {s.request_id: s.seq_id for s in batch.seqs}
+        updates = []
+        for u in batch.grammar_updates:
+            if PLACEHOLDER in u.new_token_ids:
+                out = self._sampled_in[seq_ids[u.request_id]]
+                token = out.token_of(seq_ids[u.request_id])
+                ids = [token if t == PLACEHOLDER else t for t in u.new_token_ids]
+                u = GrammarUpdate(u.request_id, ids)
+            updates.append(u)
+        return updates
 
     # ---- structured-output RPCs, answered by this rank's StructuredOutputWorker ---------------
 
@@ -172,49 +212,67 @@ class ModelRunner:
         if self._structured_output is not None:
             self._structured_output.shutdown()
 
-    def _prepare_inputs(self, batch: ScheduledBatch):
-        bs = self.block_size
-        ids, pos, slots, ctx_lens, q_lens, rows = [], [], [], [], [], []
-        max_blocks = max(len(s.block_table) for s in batch.seqs)
-        tables = torch.zeros(len(batch.seqs), max_blocks, dtype=torch.long)
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-            start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start : start + n])
-            p = torch.arange(start, start + n)
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            tables[i, : len(table)] = table
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            ctx_lens.append(start + n)
-            q_lens.append(n)
-            if batch.samples(i):
-                rows.append(len(ids) - 1)
+    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states of the step's rows (padding rows included for a graph) and, on the
+        device, the rows whose sequences sample. A decode step replays a CUDA graph when there
+        is one for its batch; prefill, chunked-prefill and mixed steps run eagerly."""
+        n = len(batch.seqs)
+        size = None
+        if self.graphs is not None and max(batch.num_new_tokens) == 1:
+            size = self.graphs.padded_size(n)
+        pin = self.device.type == "cuda"
+        step = build_step_inputs(batch, self.block_size, size or n, pin)
+        rows = step.sample_rows.to(self.device, non_blocking=True)
+        input_ids = step.input_ids.to(self.device, non_blocking=True)
+        self._fill_placeholders(input_ids, step)
+        if size is not None:
+            return self.graphs.replay(step, input_ids), rows
+        return self._run_eager(step, input_ids), rows
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, step: StepInputs) -> None:
+        """Inputs the host has not read yet: each is copied on the device from the step that
+        sampled it, at rows the host knows (no device-to-host read)."""
+        sources: dict[int, tuple[DeferredOutput, list[int], list[int]]] = {}
+        for row, seq_id in zip(step.placeholder_rows, step.placeholder_seq_ids, strict=True):
+            out = self._sampled_in[seq_id]
+            _, dst, src = sources.setdefault(id(out), (out, [], []))
+            dst.append(row)
+            src.append(out.rows[seq_id])
+        for out, dst, src in sources.values():
+            tokens = out.token_ids.index_select(0, self._to_device(src, torch.long))
+            input_ids.index_copy_(0, self._to_device(dst, torch.long), tokens)
+
+    def _run_eager(self, step: StepInputs, input_ids: torch.Tensor) -> torch.Tensor:
         dev = self.device
-        q_lens_t = torch.tensor(q_lens)
+        q_lens = step.query_lens
         ctx = AttentionContext(
-            slot_mapping=torch.cat(slots).to(dev, non_blocking=True),
-            block_tables=tables.to(dev, non_blocking=True),
-            context_lens=torch.tensor(ctx_lens).to(dev, non_blocking=True),
-            query_lens=q_lens_t.to(dev, non_blocking=True),
-            cu_seqlens_q=torch.nn.functional.pad(q_lens_t.cumsum(0), (1, 0)).to(dev),
+            slot_mapping=step.slot_mapping.to(dev, non_blocking=True),
+            block_tables=step.block_tables.to(dev, non_blocking=True),
+            context_lens=step.context_lens.to(dev, non_blocking=True),
+            query_lens=self._to_device(q_lens, torch.long),
+            cu_seqlens_q=self._to_device(list(accumulate(q_lens, initial=0)), torch.long),
             max_query_len=max(q_lens),
         )
-        prepare_attention(ctx, bs)
+        prepare_attention(ctx, self.block_size)
         set_context(ctx)
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-        positions = torch.cat(pos).to(dev, non_blocking=True)
-        return input_ids, positions, torch.tensor(rows, dtype=torch.long, device=dev)
+        return self.model(input_ids, step.positions.to(dev, non_blocking=True))
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """One host list as a device tensor, through pinned memory on CUDA (no host wait)."""
+        pin = self.device.type == "cuda"
+        return torch.tensor(values, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        vocab = self.model.lm_head.org_vocab_size
         temps = [s.params.temperature for s in seqs]
+        if not any(temps):  # all greedy: the sampler needs no tensor and no RNG
+            return SamplingTensors(None, None, None, [None] * len(seqs))
+        vocab = self.model.lm_head.org_vocab_size
         top_ks = [s.params.top_k if s.params.top_k > 0 else vocab for s in seqs]
         top_ps = [s.params.top_p for s in seqs]
-        dev = self.device
         return SamplingTensors(
-            temperatures=torch.tensor(temps, dtype=torch.float32, device=dev),
-            top_ks=torch.tensor(top_ks, device=dev) if any(k < vocab for k in top_ks) else None,
-            top_ps=torch.tensor(top_ps, device=dev) if any(p < 1.0 for p in top_ps) else None,
+            temperatures=self._to_device(temps, torch.float32),
+            top_ks=self._to_device(top_ks, torch.long) if any(k < vocab for k in top_ks) else None,
+            top_ps=self._to_device(top_ps, torch.float32) if any(p < 1 for p in top_ps) else None,
             generators=[self._generator(s) for s in seqs],
         )
 

@@ -7,6 +7,13 @@ the head of the queue to be recomputed (prefix caching usually makes that cheap)
 
 A constrained request waits (`WAITING_FOR_GRAMMAR`) until the engine core reports its grammar
 bound on every rank (`grammar_ready`); until then it is skipped and later requests run.
+
+Scheduling is ahead of output (asynchronous scheduling): `schedule` counts a step's tokens as
+computed at once and appends a placeholder for each token it will sample, so the next step can be
+scheduled before this one's output is read; `update` later replaces the placeholders. A sequence
+whose pending tokens already reach its length limit is not scheduled again, and a preempted one
+waits until its pending token is known. Stops the host only sees in the output (EOS, stop tokens
+and strings) end a sequence one step late: the engine core drops the extra token.
 """
 
 from __future__ import annotations
@@ -38,14 +45,19 @@ class ScheduledBatch:
     finished_seq_ids: list[int] = field(default_factory=list)  # runner may drop their state
     has_constrained: bool = False  # some of `seqs` carry a structured-output spec
     grammar_updates: list[GrammarUpdate] = field(default_factory=list)  # constrained only
+    # Per sequence, fixed at schedule time: tokens in the KV cache before this step (the
+    # position of its first new token) and whether its last new token is sampled.
+    num_computed_before: list[int] = field(default_factory=list)
+    sampling: list[bool] = field(default_factory=list)
 
     def samples(self, i: int) -> bool:
         """Does row i reach the end of its sequence (so a token is sampled)?"""
-        return self.seqs[i].num_computed_tokens + self.num_new_tokens[i] == len(self.seqs[i])
+        return self.sampling[i]
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
@@ -93,29 +105,47 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(finished_seq_ids=self._finished_seq_ids)
         self._finished_seq_ids = []
-        bm, budget = self.block_manager, self.max_num_batched_tokens
+        budget, preempted = self._schedule_running(batch, self.max_num_batched_tokens)
+        if not preempted:
+            self._schedule_waiting(batch, budget)
+        self._advance(batch)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> tuple[int, bool]:
+        """Running sequences first, in order; preempts the newest when the cache is full.
+        Returns the budget left and whether anything was preempted."""
+        bm = self.block_manager
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            i += 1
+            if self._at_limit(seq):
+                continue
             n = min(len(seq) - seq.num_computed_tokens, budget)
-            while not bm.can_allocate(seq, seq.num_computed_tokens + n):
-                preempted = True
-                if self._preempt(self.running.pop()) is seq:
+            if n > 1 or seq.num_computed_tokens % bm.block_size == 0:  # may need new blocks
+                while not bm.can_allocate(seq, seq.num_computed_tokens + n):
+                    preempted = True
+                    if self._preempt(self.running.pop()) is seq:
+                        break
+                if seq.status != SequenceStatus.RUNNING:
                     break
-            if seq.status != SequenceStatus.RUNNING:
-                break
-            bm.allocate(seq, seq.num_computed_tokens + n)
+                bm.allocate(seq, seq.num_computed_tokens + n)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
-            i += 1
-        i = 0  # waiting requests before i are skipped: their grammar is not ready yet
-        while i < len(self.waiting) and budget > 0 and not preempted:
+        return budget, preempted
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """Then waiting ones in arrival order, skipping those whose grammar is not ready or
+        whose pending token is not known yet."""
+        bm = self.block_manager
+        i = 0
+        while i < len(self.waiting) and budget > 0:
             if len(self.running) >= self.max_num_seqs:
                 break
             seq = self.waiting[i]
-            if seq.status == SequenceStatus.WAITING_FOR_GRAMMAR:
+            if seq.status == SequenceStatus.WAITING_FOR_GRAMMAR or seq.num_placeholders:
                 i += 1
                 continue
             if not seq.block_table:
@@ -133,11 +163,33 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
-        for seq in batch.seqs:
+
+    def _at_limit(self, seq: Sequence) -> bool:
+        """Its pending token already reaches max_tokens or the model's length: it finishes when
+        that token is read, so computing another would be wasted."""
+        if not seq.num_placeholders:
+            return False
+        max_len = self.config.max_model_len
+        return seq.num_scheduled_output_tokens >= seq.params.max_tokens or (
+            max_len is not None and len(seq) >= max_len
+        )
+
+    def _advance(self, batch: ScheduledBatch) -> None:
+        """Count the batch's tokens as computed and append a placeholder per sampled token
+        (grammar updates first: they carry only tokens scheduled before this step). Blocks that
+        became full of known tokens enter the prefix cache now: a later step that reuses them
+        runs after this one on the device, which writes their K/V first."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
+            batch.num_computed_before.append(start)
+            batch.sampling.append(start + n == len(seq))
+            seq.num_computed_tokens = start + n
+            self.block_manager.commit(seq)  # full blocks of known tokens: findable at once
             if seq.params.structured_output is not None:
                 batch.has_constrained = True
                 self._grammar_update(batch, seq)
-        return batch
+            if batch.sampling[-1]:
+                seq.append_placeholder()
 
     @staticmethod
     def _grammar_update(batch: ScheduledBatch, seq: Sequence) -> None:
@@ -148,18 +200,21 @@ class Scheduler:
             seq.num_grammar_acked += len(new)
             batch.grammar_updates.append(GrammarUpdate(seq.request_id, new))
 
-    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
-        """Advance computed counts; append sampled tokens. Returns sequences that got a token."""
+    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[tuple[Sequence, int]]:
+        """Replace the batch's placeholders with the sampled tokens (a row without one, e.g. a
+        failed one, loses its placeholder). Returns the (sequence, token) pairs to process;
+        sequences that finished meanwhile are skipped: their token is never emitted."""
         got_token = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if seq.status != SequenceStatus.RUNNING:
-                continue  # aborted while the step ran
-            seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
-            token = sampled.get(seq.seq_id)
+        for seq, samples in zip(batch.seqs, batch.sampling, strict=True):
+            if seq.is_finished:
+                continue
+            token = sampled.get(seq.seq_id) if samples else None
+            if samples:
+                seq.resolve_placeholder(token)
+            if seq.status == SequenceStatus.RUNNING:
+                self.block_manager.commit(seq)
             if token is not None:
-                seq.append_token(token)
-                got_token.append(seq)
+                got_token.append((seq, token))
         return got_token
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
@@ -171,6 +226,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.block_manager.free_blocks(seq)
+        seq.drop_placeholders()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.requests.pop(seq.request_id, None)

@@ -9,6 +9,11 @@ from atom.sampling_params import SamplingParams
 
 _ids = itertools.count()
 
+# A sampled token the host has not read yet (asynchronous scheduling): the scheduler appends one
+# per sampling step at schedule time and `resolve_placeholder` replaces it when the step's output
+# is read. The model runner takes its value from the previous step's sampled ids on the device.
+PLACEHOLDER = -1
+
 
 class SequenceStatus(enum.Enum):
     # Constrained: waiting until every rank has bound its grammar (compiled in the background).
@@ -36,6 +41,9 @@ class Sequence:
         # Structured output: how many output tokens the ranks have been sent to commit (kept
         # across preemption: recomputed tokens are not re-sent, so no rank re-commits them).
         self.num_grammar_acked = 0
+        # Trailing entries of `token_ids` that are PLACEHOLDERs (at most two: the step whose
+        # output is being read and the one just scheduled).
+        self.num_placeholders = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
 
@@ -44,10 +52,17 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        """Output tokens read so far (placeholders excluded)."""
+        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.num_placeholders]
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens read so far (placeholders excluded)."""
+        return len(self.token_ids) - self.num_placeholders - self.num_prompt_tokens
+
+    @property
+    def num_scheduled_output_tokens(self) -> int:
+        """Output tokens read or being computed (placeholders included)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
@@ -56,3 +71,22 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def append_placeholder(self) -> None:
+        self.token_ids.append(PLACEHOLDER)
+        self.num_placeholders += 1
+
+    def resolve_placeholder(self, token_id: int | None) -> None:
+        """The oldest placeholder becomes `token_id`; None drops it (its row failed)."""
+        i = len(self.token_ids) - self.num_placeholders
+        if token_id is None:
+            del self.token_ids[i]
+        else:
+            self.token_ids[i] = token_id
+        self.num_placeholders -= 1
+
+    def drop_placeholders(self) -> None:
+        """Forget tokens still being computed (the sequence finished: they are never emitted)."""
+        if self.num_placeholders:
+            del self.token_ids[-self.num_placeholders :]
+            self.num_placeholders = 0

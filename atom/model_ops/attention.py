@@ -1,11 +1,19 @@
 """Paged attention over a flattened batch of sequences.
 
-New K/V rows are written into the paged cache at `slot_mapping`. Each sequence then attends to
-its own blocks only: `k_cache[block_tables]` gathers `[num_seqs, max_blocks * block_size]` keys
-(never the whole cache), and one batched SDPA call runs with a mask that combines the causal offset
-of each query row with the sequence's context length. This single path covers prefill chunks,
-decode and mixed batches on CPU and CUDA. Gathers use `index_select` on 2-D views, which is
-several times faster on CPU than advanced indexing.
+New K/V rows are written into the paged cache at `slot_mapping`, then each sequence attends to
+its own blocks only. Two implementations of the same semantics:
+
+- CUDA: the Triton kernels of `atom.model_ops.paged_attention`, which read each sequence's
+  blocks in place. Decode-only steps (`max_query_len == 1`) use the decode kernel, whose launch
+  shapes depend only on tensor shapes, so the model runner can capture it in a CUDA graph with a
+  padded batch: a padding row has `context_lens == 0` (its output is zeros, its block-table row
+  is never read) and `slot_mapping == -1` (nothing is written to the cache). Other steps use the
+  varlen prefill kernel. `prepare_attention` builds nothing for this path.
+- CPU (the reference, and what CI runs): `k_cache[block_tables]` gathers `[num_seqs, max_blocks *
+  block_size]` keys (never the whole cache), and one batched SDPA call runs with a mask that
+  combines the causal offset of each query row with the sequence's context length. Gathers use
+  `index_select` on 2-D views, several times faster on CPU than advanced indexing. This path
+  never imports triton, and its slots must all be valid (no padding rows on CPU).
 """
 
 from __future__ import annotations
@@ -17,8 +25,17 @@ from torch import nn
 from atom.model_ops.context import AttentionContext, get_context
 
 
+def _paged_kernels(x: torch.Tensor) -> bool:
+    """Whether attention on `x`'s device runs the Triton kernels (the tests patch this to
+    exercise them on CPU under the Triton interpreter)."""
+    return x.is_cuda
+
+
 def prepare_attention(ctx: AttentionContext, block_size: int) -> None:
-    """Build the padded-query index and the mask once per step (shared by all layers)."""
+    """Build the padded-query index and the mask once per step (shared by all layers); the
+    Triton path needs neither."""
+    if _paged_kernels(ctx.context_lens):
+        return
     device = ctx.query_lens.device
     i = torch.arange(ctx.max_query_len, device=device)
     valid_q = i.unsqueeze(0) < ctx.query_lens.unsqueeze(1)  # [B, Q]
@@ -48,6 +65,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq * D]."""
         ctx = get_context()
+        if _paged_kernels(q):
+            return self._forward_paged(q, k, v, ctx)
         num_blocks, block_size = self.k_cache.shape[:2]
         hk, d = self.num_kv_heads, self.head_dim
         self.k_cache.view(-1, hk, d).index_copy_(0, ctx.slot_mapping, k)
@@ -69,3 +88,21 @@ class Attention(nn.Module):
         )  # [B, Hq, Q, D]
         out = out.transpose(1, 2).reshape(num_seqs * ctx.max_query_len, self.num_heads * d)
         return out.index_select(0, ctx.output_index)  # [T, Hq*D] in flat row order
+
+    def _forward_paged(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        # Imported here so that CPU runs never load triton.
+        from atom.model_ops import paged_attention as pa
+
+        pa.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        if ctx.max_query_len == 1:
+            out = pa.paged_decode_attention(
+                q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale
+            )
+        else:
+            out = pa.paged_prefill_attention(
+                q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens,
+                ctx.cu_seqlens_q, ctx.max_query_len, self.scale,
+            )  # fmt: skip
+        return out.view(q.size(0), -1)

@@ -2,6 +2,10 @@
 
 A step is one flattened batch: sequence b owns query rows `cu_seqlens_q[b]:cu_seqlens_q[b+1]`,
 which are its newest tokens; its keys are its first `context_lens[b]` cached tokens.
+
+On CUDA a decode step may be padded to a CUDA-graph batch size: a padding row has one query row,
+`context_lens == 0`, a block-table row of zeros and `slot_mapping == -1` (write nothing); see
+`atom.model_ops.paged_attention`.
 """
 
 from __future__ import annotations

@@ -2,12 +2,22 @@
 
 cos/sin are precomputed once for every position, so a flattened batch of sequences at different
 offsets costs one gather. Non-default RoPE types reuse transformers' frequency initializers.
+
+On CUDA one Triton kernel (`atom.model_ops.fused_kernels`) rotates q and k together, reading them
+straight from their strided views of the qkv projection (no copy first); elsewhere (the reference, and what CI runs) the
+PyTorch code below does, and triton is never imported.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    """Whether `x`'s device runs the Triton kernel (the tests patch this to exercise it on CPU
+    under the Triton interpreter)."""
+    return x.is_cuda
 
 
 def _inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -34,6 +44,11 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D] -> rotated copies."""
+        if _use_kernels(q):
+            # Imported here so that CPU runs never load triton.
+            from atom.model_ops import fused_kernels
+
+            return fused_kernels.rotary_embedding(positions, q, k, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

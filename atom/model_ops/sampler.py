@@ -17,7 +17,9 @@ from torch import nn
 class SamplingTensors:
     """Per-row settings of one batch, built by the model runner."""
 
-    temperatures: torch.Tensor  # [N] float; 0 means greedy
+    # [N] float, 0 means greedy; None when every row is greedy (the runner knows it on the host,
+    # so the sampler never waits for the GPU to find out)
+    temperatures: torch.Tensor | None
     top_ks: torch.Tensor | None  # [N] long (vocab size where disabled); None: no row uses it
     top_ps: torch.Tensor | None  # [N] float (1.0 where disabled); None: no row uses it
     generators: list[torch.Generator | None]  # per row; None uses the global RNG
@@ -41,20 +43,17 @@ def compute_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_to
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         """logits [N, V] float32 (possibly masked) -> token ids [N]."""
-        greedy = t.temperatures == 0
         greedy_ids = logits.argmax(dim=-1)
-        if bool(greedy.all()):
+        if t.temperatures is None:
             return greedy_ids
+        greedy = t.temperatures == 0
         temps = torch.where(greedy, 1.0, t.temperatures).unsqueeze(1)
         logits = _apply_top_k_top_p(logits / temps, t.top_ks, t.top_ps)
         probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        for row, gen in enumerate(t.generators):
+        noise = torch.empty_like(probs).exponential_()  # unseeded rows: the global RNG
+        for row, gen in enumerate(t.generators):  # seeded rows: their own stream, as before
             if gen is not None:
                 noise[row].exponential_(generator=gen)
-        unseeded = [row for row, gen in enumerate(t.generators) if gen is None]
-        if unseeded:
-            noise[unseeded] = torch.empty_like(noise[unseeded]).exponential_()
         sampled = probs.div(noise).argmax(dim=-1)
         return torch.where(greedy, greedy_ids, sampled)
 

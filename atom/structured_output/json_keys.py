@@ -25,6 +25,7 @@ QUOTE, BACKSLASH, LETTER_U = 0x22, 0x5C, 0x75
 ESCAPES = {ord(k): ord(v) for k, v in zip('"\\/bfnrt', '"\\/\b\f\n\r\t', strict=True)}
 STRING_RUN = re.compile(rb'[^"\\]+')  # string bytes that stand for themselves
 SYNTAX = re.compile(rb'[{}\[\],"]')  # the bytes that matter outside strings
+WordBits = tuple[tuple[int, int], ...]  # tokens as (mask word index, their bits in that word)
 
 
 class KeyTracker:
@@ -72,6 +73,9 @@ class KeyTracker:
         return other
 
     def feed(self, data: bytes) -> None:
+        if self._in_string and self._key is None and not self._escape:
+            if b'"' not in data and b"\\" not in data:
+                return  # string content outside a key (most tokens): nothing changes
         at = 0
         while at < len(data):
             at = self._string(data, at) if self._in_string else self._syntax(data, at)
@@ -229,18 +233,22 @@ class KeyTokenIndex:
     repeated key are found without trying the vocabulary.
 
     - ``closers``: by the decoded bytes before the quote that ends a string (read from inside a
-      string, outside any escape), the tokens that end it there, as packed mask words and bits.
+      string, outside any escape), the tokens that end it there, as mask words and bits.
       Inside a key with decoded prefix P, the group of ``k[len(P):]`` closes key ``k``.
     - ``whole``: tokens that open and close a string inside themselves (``":"``, ``""``), by
-      the decoded string; tried one by one, only while an open object holds such a key
-      (``watched``).
-    - A key being written that ends inside an escape (rare) tries every quote token.
+      the decoded string; those the row allows are tried one by one, only while an open object
+      holds such a key (``watched``).
+    - A key being written that ends inside an escape (rare) tries every quote token the row
+      allows.
+
+    Groups are tuples of (word index, bits) Python ints: a group spans a few words, where
+    reading and clearing them one by one costs less than numpy's fancy indexing.
     """
 
     def __init__(self, token_bytes: Sequence[bytes]) -> None:
         self._bytes: dict[int, bytes] = {}
         closers: dict[bytes, list[int]] = {}
-        self._whole: dict[bytes, list[int]] = {}
+        whole: dict[bytes, list[int]] = {}
         for token, data in enumerate(token_bytes):
             if b'"' not in data:
                 continue
@@ -250,35 +258,45 @@ class KeyTokenIndex:
                 closers.setdefault(KeyTracker.decode(closing), []).append(token)
             strings += _strings(data, 0)[1] + _strings(data, 2)[1]
             for key in {KeyTracker.decode(s) for s in strings}:
-                self._whole.setdefault(key, []).append(token)
+                whole.setdefault(key, []).append(token)
         self._closers = {rest: _word_bits(tokens) for rest, tokens in closers.items()}
+        self._whole = {key: _word_bits(tokens) for key, tokens in whole.items()}
+        self._quoted = _word_bits(list(self._bytes))
         self.watched = frozenset(self._whole)
 
     def forbid(self, tracker: KeyTracker, words: np.ndarray) -> bool:
         """Clear, in a packed ``uint32`` mask row, each allowed token that would write a key
         already in its object; returns whether any was cleared."""
-        cleared, suspects = False, []
-        keys, prefix = tracker.object_keys(), tracker.key_prefix()
+        cleared = False
+        keys = tracker.object_keys()
         if tracker.in_key and keys:
+            prefix = tracker.key_prefix()
             if prefix is None:  # inside an escape: every token with a quote is tried
-                suspects += self._bytes
+                cleared = self._clear_repeats(tracker, words, self._quoted)
             else:
-                for indexes, bits in self._closing_groups(keys, prefix):
-                    allowed = words[indexes] & bits
-                    if allowed.any():
-                        words[indexes] ^= allowed
-                        cleared = True
+                for group in self._closing_groups(keys, prefix):
+                    cleared = _clear(words, group) or cleared
         if tracker.holds_watched:
-            suspects += [t for held in tracker.open_objects() for t in self._whole_writers(held)]
-        for token in dict.fromkeys(suspects):
-            if _allowed(words, token) and tracker.repeats_after(self._bytes[token]):
-                words[token >> 5] &= ~np.uint32(1 << (token & 31))
-                cleared = True
+            for held in tracker.open_objects():
+                for key in held & self.watched:
+                    cleared = self._clear_repeats(tracker, words, self._whole[key]) or cleared
         return cleared
 
-    def _closing_groups(
-        self, keys: set[bytes], prefix: bytes
-    ) -> list[tuple[np.ndarray, np.ndarray]]:
+    def _clear_repeats(self, tracker: KeyTracker, words: np.ndarray, group: WordBits) -> bool:
+        """Clear the tokens of ``group`` that the row allows and that would repeat a key."""
+        cleared = False
+        for word, bits in group:
+            allowed = words.item(word) & bits
+            while allowed:
+                low = allowed & -allowed
+                token = (word << 5) | (low.bit_length() - 1)
+                if tracker.repeats_after(self._bytes[token]):
+                    words[word] = words.item(word) & ~low
+                    cleared = True
+                allowed ^= low
+        return cleared
+
+    def _closing_groups(self, keys: set[bytes], prefix: bytes) -> list[WordBits]:
         """The token groups that would close a key begun with ``prefix`` as one of ``keys``."""
         closers = self._closers
         if len(keys) <= len(closers):  # whichever side is smaller is walked
@@ -286,18 +304,21 @@ class KeyTokenIndex:
             return [closers[rest] for rest in rests if rest in closers]
         return [group for rest, group in closers.items() if prefix + rest in keys]
 
-    def _whole_writers(self, keys: set[bytes]) -> list[int]:
-        """Tokens that can write one of ``keys`` whole (each is then tried)."""
-        return [t for key in keys & self.watched for t in self._whole[key]]
 
-
-def _word_bits(tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens as (mask word indexes, the bits of those tokens in each word), one entry a word."""
+def _word_bits(tokens: list[int]) -> WordBits:
+    """Tokens as (mask word index, the bits of those tokens in that word), one pair a word."""
     words: dict[int, int] = {}
     for token in tokens:
         words[token >> 5] = words.get(token >> 5, 0) | 1 << (token & 31)
-    return np.array(list(words), dtype=np.intp), np.array(list(words.values()), dtype=np.uint32)
+    return tuple(words.items())
 
 
-def _allowed(words: np.ndarray, token: int) -> bool:
-    return bool((int(words[token >> 5]) >> (token & 31)) & 1)
+def _clear(words: np.ndarray, group: WordBits) -> bool:
+    """Clear the bits of ``group`` in a ``uint32`` row; returns whether any was set."""
+    cleared = False
+    for word, bits in group:
+        value = words.item(word)
+        if value & bits:
+            words[word] = value & ~bits
+            cleared = True
+    return cleared

@@ -5,10 +5,12 @@ A request's life on a rank (``worker.StructuredOutputWorker`` does the wiring):
 1. ``admit(spec, ...)`` before it is enqueued: compatibility checks, compilation started;
 2. ``prepare(request_id, spec)`` while it waits in the scheduler: its own matcher once the
    grammar is compiled;
-3. per decoding step, ``fill_masks(rows, batch)``: for each request its committed-state row, then
-   one row per draft prefix (drafts are consumed speculatively and rolled back in a
-   ``finally``); the worker applies the rows to the target/bonus logits (``utils.MaskBuffers``);
-4. ``commit(request_id, new_token_ids)`` once the scheduler acknowledges sampled tokens;
+3. per decoding step, ``fill_masks(rows, batch)``: for each request its committed-state row (the
+   rows of all requests at once, on llguidance's executor threads), then one row per draft
+   prefix (drafts are consumed speculatively and rolled back in a ``finally``); the worker
+   applies the rows to the target/bonus logits (``utils.MaskBuffers``);
+4. ``commit(request_id, new_token_ids)`` (``commit_many`` for a step) once the scheduler
+   acknowledges sampled tokens;
 5. ``release(request_id)`` on any terminal path.
 
 Compilation runs in a background thread; the ready-cache lock is held only for dictionary
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from atom.config import EngineConfig, StructuredOutputWhitespace
+from atom.config import EngineConfig, StructuredOutputWhitespace, default_grammar_threads
 from atom.structured_output.backend_guidance import GrammarError, GuidanceBackend
 from atom.structured_output.json_keys import KeyTokenIndex, KeyTracker
 
@@ -39,6 +41,8 @@ if TYPE_CHECKING:
 __all__ = ["AdmissionResult", "GrammarState", "StructuredOutputManager"]
 
 JSON_WHITESPACE = b" \t\r\n"
+REJECTED = "structured output: the grammar rejected a generated token"
+REPEATED = "structured output: the answer repeats an object key"
 
 
 @dataclass(frozen=True)
@@ -84,12 +88,15 @@ class GrammarState:
         self.matcher = matcher
         self.error: str | None = None
         self._backend = backend
-        self._stop_mask, self._free_mask = masks["stop"], masks["free"]
-        self._stop_words = self._stop_mask.numpy().view(np.uint32)
-        # Bound methods of the per-token mask path, looked up once (see ``fill_row``).
+        # Rows are written through ``uint32`` views: no torch indexing per row.
+        self._stop_words = masks["stop"].numpy().view(np.uint32)
+        self._free_words = masks["free"].numpy().view(np.uint32)
+        # Bound methods of the per-token paths, looked up once (see ``wants_mask``, ``commit``).
         self._compute_mask_ptr = matcher.unsafe_compute_mask_ptr
         self._is_stopped = matcher.is_stopped
         self._is_error = matcher.is_error
+        self._consume_token = matcher.consume_token
+        self._token_bytes = backend.token_bytes
         self._marker = end_marker or b""
         self.active = not self._marker
         self._tail = b""
@@ -110,7 +117,7 @@ class GrammarState:
         if speculative:  # never drive the committed matcher into its sticky error state
             return self.matcher.try_consume_tokens(list(tokens)) == len(tokens)
         # One at a time: llguidance 1.9.1 accepts EOS after a stop only through consume_token.
-        return all(self.matcher.consume_token(t) for t in tokens)
+        return all(self._consume_token(t) for t in tokens)
 
     def _feed(self, data: bytes) -> None:
         self.keys.feed(data)
@@ -118,12 +125,15 @@ class GrammarState:
 
     def _advance(self, token: int, speculative: bool) -> tuple[bool, int]:
         """Feed one output token; returns (accepted, matcher tokens consumed)."""
-        if self.active:
-            ok = self._consume([token], speculative)
+        if self.active:  # the common case: one matcher call, then the token's bytes
+            if speculative:
+                ok = self.matcher.try_consume_tokens([token]) == 1
+            else:
+                ok = self._consume_token(token)
             if ok:
-                self._feed(self._backend.token_bytes(token))
+                self._feed(self._token_bytes(token))
             return ok, int(ok)
-        data = self._tail + self._backend.token_bytes(token)
+        data = self._tail + self._token_bytes(token)
         at = data.find(self._marker)
         if at < 0:
             self._tail = data[len(data) - len(self._marker) + 1 :]
@@ -154,12 +164,26 @@ class GrammarState:
             before = (self.active, self._tail, len(self._answer))
             ok, consumed = self._advance(token, speculative=False)
             if not ok:
-                self.error = "structured output: the grammar rejected a generated token"
+                self.error = REJECTED
                 return False
             self._history.append((consumed, *before))
             if self.keys.repeated:  # only a token the mask never saw (after the end marker)
-                self.error = "structured output: the answer repeats an object key"
+                self.error = REPEATED
         return self.error is None
+
+    def consumed(self, token: int, ok: bool) -> None:
+        """``commit([token])`` of an active state without error, once its matcher was given
+        ``token`` (``ok``: accepted) with other requests' on llguidance's executor
+        (``StructuredOutputManager.commit_many``): the same steps, inlined."""
+        if not ok:
+            self.error = REJECTED
+            return
+        data = self._token_bytes(token)
+        self._history.append((1, self.active, self._tail, len(self._answer)))
+        self.keys.feed(data)
+        self._answer += data
+        if self.keys.repeated:
+            self.error = REPEATED
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` commits (replay of unacknowledged tokens)."""
@@ -175,34 +199,35 @@ class GrammarState:
             del self._answer[answer_length:]
             self.keys = KeyTracker.replay(bytes(self._answer), self._key_index.watched)
 
-    def fill_row(
-        self,
-        bitmask: torch.Tensor,
-        row: int,
-        base: int,
-        row_bytes: int,
-        words: np.ndarray,
-        speculative: bool = False,
-    ) -> None:
-        """Write this state's next-token mask into ``bitmask[row]``.
-
-        The manager validated ``bitmask`` once (``base``: its data pointer, ``row_bytes`` per
-        row, ``words``: its ``uint32`` view), so an active row costs one llguidance call writing
-        straight through the pointer and one error check; only a state that might write a
-        repeated key (``KeyTracker.guard``) has its row filtered. ``speculative``: the state after
-        draft tokens (see ``_forbid_repeated_keys``).
-        """
+    def wants_mask(self, words: np.ndarray, row: int) -> bool:
+        """Whether ``row`` needs llguidance's mask (then ``check_row`` once it is written);
+        otherwise the row gets its mask here: stop when the grammar terminated (only EOS
+        remains) or failed, free while still reasoning (unconstrained until the end marker)."""
         if self.active and self.error is None and not self._is_stopped():
+            return True
+        words[row] = self._stop_words if self.active or self.error is not None else self._free_words
+        return False
+
+    def check_row(self, words: np.ndarray, row: int, speculative: bool = False) -> None:
+        """After llguidance wrote ``row``: a matcher that failed computing it fails the request
+        (stop mask); only a state that might write a repeated key (``KeyTracker.guard``) has
+        its row filtered. ``speculative``: the state after draft tokens (see
+        ``_forbid_repeated_keys``)."""
+        if self._is_error():
+            self.error = "structured output: grammar failure"
+            words[row] = self._stop_words
+        elif self.keys.guard:
+            self._forbid_repeated_keys(words[row], speculative)
+
+    def fill_row(
+        self, words: np.ndarray, row: int, base: int, row_bytes: int, speculative: bool = False
+    ) -> None:
+        """Write this state's next-token mask into row ``row`` of a buffer the manager
+        validated (``base``: its data pointer, ``row_bytes`` per row, ``words``: its ``uint32``
+        view), on the caller's thread."""
+        if self.wants_mask(words, row):
             self._compute_mask_ptr(base + row * row_bytes, row_bytes)
-            if self._is_error():
-                self.error = "structured output: grammar failure"
-                bitmask[row] = self._stop_mask
-            elif self.keys.guard:
-                self._forbid_repeated_keys(words[row], speculative)
-        elif self.active or self.error is not None:  # terminated (only EOS remains) or failed
-            bitmask[row] = self._stop_mask
-        else:  # still reasoning: unconstrained until the end marker
-            bitmask[row] = self._free_mask
+            self.check_row(words, row, speculative)
 
     def _forbid_repeated_keys(self, words: np.ndarray, speculative: bool) -> None:
         """Clear from an llguidance row (a ``uint32`` view) the tokens that would repeat a key.
@@ -216,39 +241,33 @@ class GrammarState:
             if not speculative:
                 self.error = "structured output: every continuation repeats an object key"
 
-    def fill_rows(
-        self,
-        bitmask: torch.Tensor,
-        row: int,
-        drafts: Sequence[int],
-        base: int,
-        row_bytes: int,
-        words: np.ndarray,
-    ) -> int:
-        """Rows ``row .. row + len(drafts)``: the mask after each draft prefix; state unchanged.
+    def fill_draft_rows(
+        self, words: np.ndarray, row: int, drafts: Sequence[int], base: int, row_bytes: int
+    ) -> None:
+        """Rows ``row + 1 .. row + len(drafts)``: the mask after each draft prefix, one after
+        the other (row ``row``, the committed state's, is already filled); state unchanged.
 
-        Rows after a draft the grammar rejects are unreachable and get the stop mask.
-        ``base``, ``row_bytes``, ``words``: see ``fill_row``.
+        Rows after a draft the grammar rejects, or after a failure, are unreachable and get the
+        stop mask. ``words``, ``base``, ``row_bytes``: see ``fill_row``.
         """
         saved = (self.active, self._tail, self.keys, len(self._answer))
         self.keys = self.keys.copy()
         consumed = 0
         try:
-            for j in range(len(drafts) + 1):
-                self.fill_row(bitmask, row + j, base, row_bytes, words, speculative=j > 0)
-                if j == len(drafts) or self.error is not None:
-                    continue
-                ok, n = self._advance(drafts[j], speculative=True)
-                consumed += n
+            for j, draft in enumerate(drafts, start=1):
+                ok = self.error is None
+                if ok:
+                    ok, n = self._advance(draft, speculative=True)
+                    consumed += n
                 if not ok or self.keys.repeated:  # a repeated key: the mask forbade this draft
-                    bitmask[row + j + 1 : row + len(drafts) + 1] = self._stop_mask
+                    words[row + j : row + len(drafts) + 1] = self._stop_words
                     break
+                self.fill_row(words, row + j, base, row_bytes, speculative=True)
         finally:
             if consumed:
                 self.matcher.rollback(consumed)
             self.active, self._tail, self.keys, answer_length = saved
             del self._answer[answer_length:]
-        return len(drafts) + 1
 
 
 class StructuredOutputManager:
@@ -263,9 +282,19 @@ class StructuredOutputManager:
         stop_token_ids: Sequence[int] | None = None,
         cache_size: int = 64,
         compile_threads: int = 1,
+        threads: int | None = None,
         whitespace: StructuredOutputWhitespace = EngineConfig.structured_output_whitespace,
     ) -> None:
+        """``threads``: llguidance executor threads filling the rows of different requests at
+        once (``EngineConfig.structured_output_threads``; default ``default_grammar_threads()``);
+        1 fills them one by one on the caller's thread."""
+        from llguidance import LLExecutor
+
         from atom.structured_output.backend_guidance import tokenizer_fingerprint
+
+        self.threads = default_grammar_threads() if threads is None else threads
+        if self.threads < 1:
+            raise ValueError("structured output needs at least one mask thread")
 
         self.vocab_size = vocab_size
         self.lm_head_size = lm_head_size or vocab_size
@@ -280,7 +309,7 @@ class StructuredOutputManager:
             "stop": torch.from_numpy(self.backend.token_mask(self.backend.stop_token_ids)),
             "free": torch.from_numpy(self.backend.token_mask(real)),
         }
-        self.key_index = KeyTokenIndex([self.backend.token_bytes(i) for i in real])
+        self.key_index = KeyTokenIndex(self.backend.token_table[: len(real)])
         self.cache_size = cache_size
         self._lock = threading.Lock()
         self._ready: OrderedDict[str, LLMatcher | _Failed] = OrderedDict()
@@ -292,6 +321,7 @@ class StructuredOutputManager:
         # The last mask buffer given to ``fill_masks``, its validated geometry and uint32 view.
         self._mask_geometry: tuple[torch.Tensor, int, int, int, np.ndarray] | None = None
         self._executor = ThreadPoolExecutor(compile_threads, thread_name_prefix="atom-grammar")
+        self._mask_executor = LLExecutor(self.threads) if self.threads > 1 else None
 
     # ---- admission ---------------------------------------------------------------------------
 
@@ -407,6 +437,36 @@ class StructuredOutputManager:
         """Advance the committed state; False (and ``error(request_id)``) on a grammar failure."""
         return self._states[request_id].commit(new_token_ids)
 
+    def commit_many(self, updates: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """A step's ``commit``s in one call, skipping requests without a state here (the mask
+        fails those); a rejected token marks only its request (``error``).
+
+        The matchers of active requests that commit one token (a decode step) consume it at
+        once on llguidance's executor (``consume_token_par``: ``consume_token`` on each, in
+        parallel); any other commit (several tokens, reasoning, a failed request) runs as
+        ``commit``, as does everything when a request is listed twice (order matters then).
+        """
+        updates, states, executor = list(updates), self._states, self._mask_executor
+        if executor is None or len({request_id for request_id, _ in updates}) < len(updates):
+            for request_id, tokens in updates:
+                if request_id in states:
+                    states[request_id].commit(tokens)
+            return
+        single: list[tuple[GrammarState, int]] = []
+        for request_id, tokens in updates:
+            state = states.get(request_id)
+            if state is None:
+                continue
+            if len(tokens) == 1 and state.active and state.error is None:
+                single.append((state, tokens[0]))
+            else:
+                state.commit(tokens)
+        if not single:  # llguidance 1.9.1 refuses an empty call
+            return
+        accepted = executor.consume_token_par([(state.matcher, t) for state, t in single])
+        for (state, token), ok in zip(single, accepted, strict=True):
+            state.consumed(token, ok)
+
     def rollback(self, request_id: str, num_tokens: int) -> None:
         self._states[request_id].rollback(num_tokens)
 
@@ -419,9 +479,10 @@ class StructuredOutputManager:
 
         Returns the number of rows filled. ``bitmask`` is validated when it is first seen (a
         buffer must not be resized or re-pointed in place afterwards; ``MaskBuffers`` never
-        does); an active row without drafts then costs one state check and one llguidance call
-        writing straight into the row: no per-row tensor slicing, checks or ``data_ptr()``. Only
-        a state that might write a repeated key (``KeyTracker.guard``) has the row filtered.
+        does). The committed-state rows of all requests are computed by llguidance at once,
+        on its executor's threads (``threads``), writing straight into the rows; then each is
+        checked (``GrammarState.check_row``: one matcher call, plus the repeated-key filter
+        only where a key could be repeated); draft rows follow, one request's after another.
         """
         geometry = self._mask_geometry
         if geometry is None or geometry[0] is not bitmask:
@@ -429,20 +490,40 @@ class StructuredOutputManager:
         _, base, num_rows, row_bytes, words = geometry
         if len(batch) > num_rows:
             raise IndexError(f"{len(batch)} rows exceed a {num_rows}-row mask")
-        states = self._states
-        extra = 0  # draft rows so far: request i starts at row i + extra
+        jobs: list[tuple[LLMatcher, int]] = []  # what llguidance computes: (matcher, row)
+        computed: list[GrammarState] = []  # the state of each job
+        drafted: list[tuple[GrammarState, int, Sequence[int]]] = []
+        states, extra = self._states, 0  # extra: draft rows so far (request i: row i + extra)
         for i, (request_id, drafts) in enumerate(batch):
-            state = states[request_id]
+            state, row = states[request_id], i + extra
             if drafts:
-                if len(batch) + extra + len(drafts) > num_rows:
-                    raise IndexError(
-                        f"{len(batch) + extra + len(drafts)} rows exceed a {num_rows}-row mask"
-                    )
-                state.fill_rows(bitmask, i + extra, drafts, base, row_bytes, words)
+                needed = len(batch) + extra + len(drafts)
+                if needed > num_rows:
+                    raise IndexError(f"{needed} rows exceed a {num_rows}-row mask")
+                drafted.append((state, row, drafts))
                 extra += len(drafts)
-            else:
-                state.fill_row(bitmask, i + extra, base, row_bytes, words)
+            if state.wants_mask(words, row):
+                jobs.append((state.matcher, row))
+                computed.append(state)
+        self._compute_rows(jobs, base, row_bytes, num_rows)
+        for state, (_, job_row) in zip(computed, jobs, strict=True):
+            state.check_row(words, job_row)
+        for state, first, drafts in drafted:
+            state.fill_draft_rows(words, first, drafts, base, row_bytes)
         return len(batch) + extra
+
+    def _compute_rows(
+        self, jobs: list[tuple[LLMatcher, int]], base: int, row_bytes: int, num_rows: int
+    ) -> None:
+        """llguidance's mask of each (matcher, row), written through the buffer's pointer."""
+        if self._mask_executor is not None and len(jobs) > 1:
+            try:
+                self._mask_executor.unsafe_compute_mask_ptr(jobs, base, row_bytes, num_rows)
+                return
+            except RuntimeError:  # "Already borrowed": one request listed twice; one by one
+                pass
+        for matcher, row in jobs:
+            matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
 
     def _validate_mask(
         self, bitmask: torch.Tensor

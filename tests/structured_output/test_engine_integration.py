@@ -394,8 +394,8 @@ def _drive(engine: LLMEngine, seqs: dict[str, Sequence], forced: dict[str, list[
                 left = forced[seq.request_id][seq.num_output_tokens :]
                 if left:
                     tokens[seq.seq_id] = left[0]
-        for seq in core.scheduler.update(batch, tokens):
-            core._process(seq, None)
+        for seq, token in core.scheduler.update(batch, tokens):
+            core._process(seq, token, None)
         core._flush_grammar_release()
     return sampled, errors
 

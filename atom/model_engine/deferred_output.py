@@ -1,0 +1,98 @@
+"""One step's sampled ids (and logprobs), read by the host later: deferred output.
+
+With asynchronous scheduling the engine submits step N+1 before it reads step N's output. The
+sampled ids stay on the device, where step N+1's inputs take them (the host only knows their
+rows); a copy into pinned host memory is queued on a side stream right after sampling and an
+event marks its end, so reading them waits for that copy alone, never for work queued later. The
+step owns its device tensors until they are read, and tells the allocator that the side stream
+uses them, so their memory is never reused under the copy. On CPU there is nothing to copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from atom.model_engine.output import TokenLogprob
+from atom.model_ops.sampler import Logprobs
+
+
+@dataclass
+class RunnerOutput:
+    """Sampled token (and logprobs when asked) per sequence id that reached its end."""
+
+    token_ids: dict[int, int]
+    logprobs: dict[int, TokenLogprob]
+    # Structured-output failures by sequence id: the request ends with finish_reason "error".
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+class DeferredOutput:
+    """The output of one submitted step; `result` waits only for its own host copy."""
+
+    def __init__(
+        self,
+        seq_ids: list[int],
+        token_ids: torch.Tensor,
+        errors: dict[int, str],
+        logprobs: Logprobs | None = None,
+        num_logprobs: list[int | None] | None = None,
+        copy_stream: torch.cuda.Stream | None = None,
+    ):
+        self.seq_ids = seq_ids  # host mirror: row i was sampled for sequence seq_ids[i]
+        self.rows = {seq_id: i for i, seq_id in enumerate(seq_ids)}
+        self.token_ids = token_ids  # [R] on the device, read by the next step's inputs
+        self.errors = errors
+        self.num_logprobs = num_logprobs
+        tensors = [token_ids]
+        if logprobs is not None:
+            tensors += [logprobs.sampled, logprobs.top_ids, logprobs.top]
+        self._host, self._ready = _copy_to_host(tensors, copy_stream)
+        self._ids: list[int] | None = None
+
+    @classmethod
+    def empty(cls) -> DeferredOutput:
+        return cls([], torch.empty(0, dtype=torch.long), {})
+
+    def host_token_ids(self) -> list[int]:
+        """The sampled ids on the host (waits for this step's copy the first time)."""
+        if self._ids is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._ids = self._host[0].tolist()
+        return self._ids
+
+    def token_of(self, seq_id: int) -> int:
+        return self.host_token_ids()[self.rows[seq_id]]
+
+    def result(self) -> RunnerOutput:
+        ids = self.host_token_ids()
+        tokens = {s: t for s, t in zip(self.seq_ids, ids, strict=True) if s not in self.errors}
+        out = RunnerOutput(tokens, {}, self.errors)
+        if len(self._host) > 1:
+            sampled, top_ids, top = (t.tolist() for t in self._host[1:])
+            for i, (seq_id, k) in enumerate(zip(self.seq_ids, self.num_logprobs, strict=True)):
+                if k is not None:
+                    candidates = list(zip(top_ids[i][:k], top[i][:k], strict=True))
+                    out.logprobs[seq_id] = TokenLogprob(ids[i], sampled[i], candidates)
+        return out
+
+
+def _copy_to_host(
+    tensors: list[torch.Tensor], stream: torch.cuda.Stream | None
+) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Pinned host copies of device tensors, queued on `stream` after the work that produces
+    them, and the event that marks their end; CPU tensors are returned as they are."""
+    if stream is None or not tensors[0].is_cuda:
+        return tensors, None
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        host = []
+        for t in tensors:
+            t.record_stream(stream)
+            copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.append(copy.copy_(t, non_blocking=True))
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    return host, ready
