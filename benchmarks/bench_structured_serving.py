@@ -181,7 +181,8 @@ def kv_cache_bytes(args: argparse.Namespace) -> int:
     return per_token * MAX_MODEL_LEN * max(args.batch_sizes)
 
 
-def make_engine(args: argparse.Namespace) -> Any:
+def make_engine(args: argparse.Namespace, **overrides: Any) -> Any:
+    """The benchmark's engine; `overrides`: other `EngineConfig` fields."""
     from atom.config import EngineConfig
     from atom.model_engine.llm_engine import LLMEngine
 
@@ -194,6 +195,7 @@ def make_engine(args: argparse.Namespace) -> Any:
             kv_cache_bytes=kv_cache_bytes(args),
             max_num_seqs=max(args.batch_sizes),
             enable_prefix_caching=False,
+            **overrides,
         )
     )
 

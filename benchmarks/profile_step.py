@@ -1,0 +1,249 @@
+"""Where one engine step's time goes: host segments and the GPU's busy share, per setting.
+
+The same random-weight engine as `bench_structured_serving.py --random-llama-1b` (or SmolLM2 on
+CPU), greedy, every request of a batch submitted at once. For each batch size and setting
+(`plain`, or constrained by one of that benchmark's schemas), once every request decodes, the
+next `--steps` full-batch decode steps run with timers wrapped around the methods a step calls
+(on the instances and classes of this process only; nothing in `atom` is changed); then a few
+more run under `torch.profiler`, whose CUDA kernels give the share of each step's wall time the
+GPU was busy. The segments nest (`read` holds `process`; `commit` holds `token_wait`), so they do
+not add up to the step.
+
+Prints a table of milliseconds per step; writes benchmarks/results/profile_step_{device}.json
+and, with `--trace`, a gzipped Chrome trace per setting under `--trace-dir`.
+    python benchmarks/profile_step.py --random-llama-1b --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gzip
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import bench_structured_serving as bss  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+
+class Segments:
+    """Accumulated wall time per segment name while `on`."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.total: dict[str, float] = defaultdict(float)
+
+    def wrap(self, owner: Any, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def timed(*a, **kw):
+            if not self.on:
+                return fn(*a, **kw)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.total[label] += time.perf_counter() - t0
+
+        setattr(owner, name, timed)
+
+
+def instrument(engine: Any, segments: Segments) -> None:
+    """Timers around the step's host work (see the module docstring)."""
+    from atom.model_engine.deferred_output import DeferredOutput
+
+    (core,) = engine.cores
+    (runner,) = engine.executor.workers
+    wraps = [
+        (core.scheduler, "schedule", "schedule"),
+        (core, "_read", "read"),
+        (core, "_process", "process"),
+        (runner, "_forward", "forward_launch"),
+        (runner.model, "compute_logits", "lm_head_launch"),
+        (runner, "sampler", "sample_launch"),
+        (DeferredOutput, "host_token_ids", "token_wait"),
+    ]
+    if runner.structured_output.manager is not None:  # structured output was used
+        worker = runner.structured_output
+        wraps += [
+            (worker, "commit", "commit"),
+            (worker, "mask_logits", "mask_logits"),
+            (worker.manager, "fill_masks", "fill"),
+            (worker.manager, "commit_many", "commit_many"),
+        ]
+    for owner, name, label in wraps:
+        segments.wrap(owner, name, label)
+
+
+def gpu_busy_ms(prof: Any) -> float:
+    """Total time covered by at least one CUDA kernel or copy (overlaps counted once)."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
+    )
+    busy, end = 0.0, None
+    for start, stop in spans:
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    return busy / 1000.0  # profiler times are in microseconds
+
+
+def run_setting(
+    engine: Any,
+    segments: Segments,
+    prompts: list,
+    specs: list,
+    args: argparse.Namespace,
+    trace: Path | None,
+) -> dict:
+    """Decode one batch; time `args.steps` full-batch steps, then profile `args.profile_steps`."""
+    import torch
+
+    segments.total.clear()
+    timer = bss.StepTimer(engine)
+    bss.add_requests(engine, prompts, specs, args)
+    n, walls, profiled = len(prompts), [], None
+    while engine.has_unfinished_requests():
+        full = timer.full_decode(n)
+        if full and len(walls) < args.steps:
+            segments.on = True
+            t0 = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t0)
+            segments.on = False
+        elif full and profiled is None:
+            profiled = profile(engine, args.profile_steps, trace)
+        else:
+            engine.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    steps = len(walls)
+    if not steps:
+        raise SystemExit(f"batch {n}: no full-batch decode step (raise --max-tokens)")
+    out = {"steps": steps, "step_ms": 1000 * statistics.fmean(walls)}
+    out.update({k: 1000 * v / steps for k, v in sorted(segments.total.items())})
+    if profiled is not None:
+        out.update(profiled)
+    return out
+
+
+def profile(engine: Any, num_steps: int, trace: Path | None) -> dict:
+    """`num_steps` steps under torch.profiler: wall and GPU-busy milliseconds per step."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(num_steps):
+            engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    if trace is not None:
+        raw = trace.with_suffix("")
+        prof.export_chrome_trace(str(raw))
+        trace.write_bytes(gzip.compress(raw.read_bytes()))
+        raw.unlink()
+    busy = gpu_busy_ms(prof) if torch.cuda.is_available() else 0.0
+    return {
+        "profiled_step_ms": 1000 * wall / num_steps,
+        "gpu_busy_ms": busy / num_steps,
+        "gpu_busy_share": busy / (1000 * wall),
+    }
+
+
+def make_engine(args: argparse.Namespace) -> Any:
+    """`bench_structured_serving`'s engine, with this script's thread settings."""
+    import torch
+
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
+    overrides = {}
+    if args.grammar_threads is not None:
+        overrides["structured_output_threads"] = args.grammar_threads
+    return bss.make_engine(args, **overrides)
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = sorted({k for r in rows for k in r} - {"batch", "setting", "steps"})
+    print("ms per full-batch decode step (segments nest; see the docstring)")
+    print(f"{'batch':>5} {'setting':<18}" + "".join(f"{c[:14]:>15}" for c in cols))
+    for r in rows:
+        cells = "".join(
+            f"{r[c]:>15.3f}" if isinstance(r.get(c), float) else f"{'-':>15}" for c in cols
+        )
+        print(f"{r['batch']:>5} {r['setting']:<18}{cells}")
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--random-llama-1b", action="store_true")
+    ap.add_argument("--model-dir", default="/tmp/atom-random-llama-1b-129k")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 256])
+    ap.add_argument("--schemas", nargs="+", default=["free-string", "mostly-forbidden"])
+    ap.add_argument("--steps", type=int, default=24, help="timed full-batch steps")
+    ap.add_argument("--profile-steps", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--grammar-threads", type=int, default=None, help="llguidance executor")
+    ap.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--tag", default="", help="suffix of the output file")
+    ap.add_argument("--trace", action="store_true", help="write gzipped Chrome traces")
+    ap.add_argument("--trace-dir", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    args.plain_max_tokens = args.max_tokens
+    args.threads = None
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    args.model = bss.resolve_model(args)
+    engine = make_engine(args)
+    schemas = {k: bss.RANDOM_SCHEMAS[k] for k in args.schemas} if args.random_llama_1b else None
+    specs = bss.admitted_specs(engine, schemas or {"person": bss.SCHEMA})
+    segments = Segments()
+    instrument(engine, segments)
+    rows: list[dict] = []
+    for n in args.batch_sizes:
+        prompts = bss.prompts_for(engine, n, args)
+        settings: dict[str, list] = {"plain": [None] * n}
+        settings.update({f"constrained:{k}": [s] * n for k, s in specs.items()})
+        for name, per_request in settings.items():
+            bss.run(engine, bss.StepTimer(engine), prompts, per_request, args)  # warm-up
+            trace = None
+            if args.trace:
+                trace = args.trace_dir / f"trace_b{n}_{name.replace(':', '_')}.json.gz"
+            row = run_setting(engine, segments, prompts, per_request, args, trace)
+            rows.append({"batch": n, "setting": name, **row})
+            print(json.dumps(rows[-1]), flush=True)
+    engine.shutdown()
+    print_table(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"profile_step_{args.device}{'_' + args.tag if args.tag else ''}.json"
+    path.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
