@@ -10,12 +10,16 @@ turn (a matcher caches its mask until the next token, so one fill a step), then 
 request's next answer token:
 
 - ``fill``: ``StructuredOutputManager.fill_masks`` of the N no-draft rows (what the model runner
-  calls through ``StructuredOutputWorker.mask_logits``; the H2D copy and the kernel excluded);
+  calls through ``StructuredOutputWorker.start_step``; the H2D copy and the kernel excluded);
   ``commit``: what ``StructuredOutputWorker.commit`` calls, ``commit_many`` of the step's
   tokens (a checkout without it: ``commit`` of each token); ``step``: both;
 - ``raw serial``: llguidance alone on the same matchers, one ``unsafe_compute_mask_ptr`` per row
   (no post-filters): the floor of a serial fill;
-- ``raw par``: ``LLExecutor.unsafe_compute_mask_ptr`` over the same matchers (``--threads``).
+- ``raw par``: ``LLExecutor.unsafe_compute_mask_ptr`` over the same matchers (``--threads``);
+- ``raw par 1t`` and ``raw par lanes``: the same over matchers of the same answers kept outside
+  the manager, copied from one compile of the schema, or from ``--threads`` independent compiles
+  (contiguous rows from one): what llguidance's shared lexer costs the executor, and what the
+  manager's grammar lanes win back (``structured_output/grammar_lanes.py``).
 
 Medians over ``--steps`` steps of each fill (after ``--warmup``). With ``--baseline DIR`` (another checkout,
 e.g. ``git archive HEAD~1 | tar -x -C /tmp/atom-base``) the same steps also run against that
@@ -29,6 +33,7 @@ Prints a table; writes benchmarks/results/bench_grammar_step.json and .png.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import inspect
 import json
@@ -46,7 +51,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 TOKENIZERS = ("smollm2", "deepseek")
-COLUMNS = ("fill", "commit", "step", "raw_serial", "raw_par")
+COLUMNS = ("fill", "commit", "step", "raw_serial", "raw_par", "raw_par_1t", "raw_par_lanes")
 
 STRINGS_SCHEMA = {
     "type": "object",
@@ -193,6 +198,30 @@ def commit_each(mgr: Any) -> Any:
     return commit
 
 
+class Shadows:
+    """Matchers of the same answers as the manager's states, outside the manager: copied from
+    ``templates`` (request i from template ``i * len(templates) // n``, so contiguous rows share
+    one), fed the same tokens. With one template they show llguidance's executor over copies of
+    one compile; with one per thread, over independent compiles (``grammar_lanes``)."""
+
+    def __init__(self, templates: list, tokens: list[int], at: list[int]) -> None:
+        self.templates, self.tokens, n = templates, tokens, len(at)
+        self.of = [i * len(templates) // n for i in range(n)]
+        self.matchers = [self._bound(i, at[i]) for i in range(n)]
+
+    def _bound(self, i: int, position: int) -> Any:
+        matcher = self.templates[self.of[i]].deep_copy()
+        assert matcher.consume_tokens(self.tokens[:position]) if position else True
+        return matcher
+
+    def advance(self, i: int, position: int) -> None:
+        """Request i moves to ``position`` (0: bound again from the start)."""
+        if position == 0:
+            self.matchers[i] = self._bound(i, 0)
+        else:
+            assert self.matchers[i].consume_token(self.tokens[position - 1])
+
+
 def run_case(side: Side, case: str, n: int, args: argparse.Namespace, executor: Any) -> dict:
     """Median milliseconds per step of each column, for ``n`` requests on ``case``."""
     import torch
@@ -203,15 +232,22 @@ def run_case(side: Side, case: str, n: int, args: argparse.Namespace, executor: 
     at = [i * len(tokens) // n for i in range(n)]
     for rid, p in zip(rids, at, strict=True):
         side.bind(rid, case, tokens[:p])
+    compile_one = functools.partial(mgr.backend.compile, CASES[case][0])
+    shadows = {
+        "raw_par_1t": Shadows([compile_one()], tokens, at),
+        "raw_par_lanes": Shadows([compile_one() for _ in range(args.threads)], tokens, at),
+    }
     rows = torch.zeros((n, (mgr.lm_head_size + 31) // 32), dtype=torch.int32)
     base, row_bytes = rows.data_ptr(), rows.shape[1] * 4
     batch = [(rid, ()) for rid in rids]
     times: dict[str, list[float]] = {c: [] for c in COLUMNS}
     commit = getattr(mgr, "commit_many", None) or commit_each(mgr)
-    fills = ("fill", "raw_serial", "raw_par")
-    for step in tqdm(range(3 * (args.warmup + args.steps)), desc=f"{case} x{n}", leave=False):
-        column = fills[step % 3]  # a computed mask is cached until the next commit: one a step
+    fills = ("fill", "raw_serial", "raw_par", *shadows)
+    for step in tqdm(range(len(fills) * (args.warmup + args.steps)), desc=f"{case} x{n}"):
+        column = fills[step % len(fills)]  # a computed mask is cached until the next commit
         matchers = [mgr.state(rid).matcher for rid in rids]
+        if column in shadows:
+            matchers = shadows[column].matchers
         t0 = time.perf_counter()
         if column == "fill":
             mgr.fill_masks(rows, batch)
@@ -224,7 +260,7 @@ def run_case(side: Side, case: str, n: int, args: argparse.Namespace, executor: 
         t1 = time.perf_counter()
         commit([(rid, [tokens[at[i]]]) for i, rid in enumerate(rids)])
         t2 = time.perf_counter()
-        if step >= 3 * args.warmup:
+        if step >= len(fills) * args.warmup:
             times[column].append((t1 - t0) * 1e3)
             if column == "fill":
                 times["commit"].append((t2 - t1) * 1e3)
@@ -234,6 +270,8 @@ def run_case(side: Side, case: str, n: int, args: argparse.Namespace, executor: 
             if at[i] == len(tokens):
                 side.bind(rid, case, [])
                 at[i] = 0
+            for shadow in shadows.values():
+                shadow.advance(i, at[i])
     for rid in rids:
         mgr.release(rid)
     return {"case": case, "batch": n, **{c: statistics.median(v) for c, v in times.items()}}
@@ -303,15 +341,17 @@ def plot(result: dict, path: Path) -> None:
     results, meta = result["results"], result["meta"]
     tokenizers, cases = meta["tokenizers"], meta["cases"]
     fig, axes = plt.subplots(
-        len(tokenizers), len(cases), figsize=(4.2 * len(cases), 3.4 * len(tokenizers))
+        len(tokenizers),
+        len(cases),
+        figsize=(4.2 * len(cases), 3.4 * len(tokenizers)),
+        squeeze=False,
     )
-    axes = [[axes]] if len(tokenizers) == len(cases) == 1 else axes
-    axes = [axes] if len(tokenizers) == 1 and len(cases) > 1 else axes
     for ti, tokenizer in enumerate(tokenizers):
         for ci, case in enumerate(cases):
-            ax = axes[ti][ci] if len(cases) > 1 else axes[ti]
+            ax = axes[ti][ci]
             lines = [(side, "step", "-") for side in results]
             lines += [("current", "raw_serial", ":"), ("current", "raw_par", "--")]
+            lines += [("current", "raw_par_1t", "-."), ("current", "raw_par_lanes", "-.")]
             for side, column, style in lines:
                 rows = [
                     r for r in results[side] if r["tokenizer"] == tokenizer and r["case"] == case

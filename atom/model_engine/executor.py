@@ -26,6 +26,10 @@ class Executor(ABC):
         """Queue a step on every rank without waiting for its output."""
         self.collective_rpc("submit_model", batch)
 
+    def complete_submission(self) -> None:
+        """Queue the sampling of the newest step if it waited for its grammar rows."""
+        self.collective_rpc("complete_submission")
+
     def take_output(self) -> RunnerOutput:
         """The oldest submitted step's output (rank 0's: every rank samples the same ids)."""
         return self.collective_rpc("take_output")[0]

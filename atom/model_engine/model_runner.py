@@ -1,15 +1,20 @@
 """One rank's worker: owns the model and its KV cache, runs one scheduled batch per call.
 
-inputs -> forward -> [commit acknowledged grammar tokens] -> logits (ParallelLMHead) -> raw
-logprobs -> [grammar mask of constrained target rows] -> sampler.
+inputs -> forward -> logits (ParallelLMHead) -> raw logprobs -> [grammar mask of constrained
+target rows] -> sampler.
 Every public method is callable by name through `Executor.collective_rpc`.
+
+A batch with constrained requests hands its host grammar work (commit the acknowledged tokens,
+fill the mask rows) to the structured-output worker's thread once its forward is queued, and its
+sampling is queued only when `complete_submission` finds the rows filled: the engine reads the
+previous step's output in between, so that work and the grammar's run at once.
 
 On CUDA the forward of a decode step replays a CUDA graph (`cuda_graph.DecodeGraphs`, captured
 at start-up unless `enforce_eager`); every other step, and every step on CPU, runs eagerly. The
 host builds a step's inputs with one tensor per field (`step_inputs`) and reads the sampled ids
 back once.
 
-The bracketed steps and the `structured_output_*` RPCs belong to this rank's
+The bracketed step and the `structured_output_*` RPCs belong to this rank's
 `StructuredOutputWorker`, created by the first of those RPCs; the runner only forwards to it, and
 only for batches that carry constrained requests: an ordinary batch imports nothing of
 `atom.structured_output`, allocates no mask buffer and loads no kernel.
@@ -18,6 +23,9 @@ only for batches that carry constrained requests: an ordinary batch imports noth
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +49,18 @@ if TYPE_CHECKING:
     from atom.structured_output.worker import StructuredOutputWorker
 
 CPU_KV_CACHE_BYTES = 512 * 1024**2
+
+
+@dataclass
+class _Unsampled:
+    """A submitted step up to its logits: the sequences that sample (in row order), their
+    logits, raw logprobs where asked, and the grammar rows being filled for them, if any."""
+
+    seqs: list[Sequence]
+    logits: torch.Tensor | None
+    raw_logprobs: torch.Tensor | None
+    want: list[int | None]
+    grammar_rows: Future | None = None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -72,8 +92,15 @@ class ModelRunner:
         self.graphs = self._capture_graphs(hf_config)
         self._submitted: deque[DeferredOutput] = deque()  # outputs not taken yet, in order
         self._sampled_in: dict[int, DeferredOutput] = {}  # seq id -> its latest sampling step
+        self._unsampled: _Unsampled | None = None  # submitted, sampling waits for grammar rows
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._structured_output: StructuredOutputWorker | None = None  # see `structured_output`
+        if self.device.type == "cuda":
+            # The host side of a GPU step is Python and small copies: torch's intra-op threads
+            # only compete with the engine and grammar
+            # threads (benchmarks/profile_step.py, H200,
+            # batch 256: 3.4 ms per decode step with one thread, 5.0 ms with 16).
+            torch.set_num_threads(1)
 
     def _allocate_kv_cache(self, hf_config) -> None:
         """Size the paged cache by bytes (CPU default 512 MiB) or a share of free GPU memory."""
@@ -132,11 +159,37 @@ class ModelRunner:
 
     def submit_model(self, batch: ScheduledBatch) -> None:
         """Queue one step's forward and sampling on the device without reading its output (see
-        `deferred_output`); `take_output` returns it later."""
-        self._submitted.append(self._execute(batch))
+        `deferred_output`); `take_output` returns it later. A step with constrained requests
+        queues its sampling only in `complete_submission`, once its grammar rows are filled."""
+        self.complete_submission()
+        step = self._execute(batch)
+        if isinstance(step, _Unsampled):
+            self._unsampled = step
+        else:
+            self._submitted.append(step)
+
+    @torch.inference_mode()
+    def complete_submission(self) -> None:
+        """Queue the sampling of the newest submitted step if it waits for its grammar rows
+        (filled on the grammar thread meanwhile; this waits for them). The engine calls it after
+        reading the previous step's output, so that both happen at once; submitting the next
+        step or taking this one's output calls it too."""
+        step, self._unsampled = self._unsampled, None
+        if step is None:
+            return
+        try:
+            errors = self.structured_output.finish_step(step.grammar_rows, step.logits)
+        except Exception as e:  # noqa: BLE001 - the step's constrained requests fail, not the rest
+            errors = {
+                s.seq_id: f"structured output: grammar step failed: {e!r}"
+                for s in step.seqs
+                if s.params.structured_output is not None
+            }
+        self._submitted.append(self._sample(step, errors))
 
     def take_output(self) -> RunnerOutput:
         """The output of the oldest submitted step not taken yet (waits for its host copy)."""
+        self.complete_submission()
         return self._submitted.popleft().result()
 
     def execute_model(self, batch: ScheduledBatch) -> RunnerOutput:
@@ -145,48 +198,67 @@ class ModelRunner:
         return self.take_output()
 
     @torch.inference_mode()
-    def _execute(self, batch: ScheduledBatch) -> DeferredOutput:
+    def _execute(self, batch: ScheduledBatch) -> DeferredOutput | _Unsampled:
         for seq_id in batch.finished_seq_ids:
             self.generators.pop(seq_id, None)
             self._sampled_in.pop(seq_id, None)
         if not batch.seqs:
             return DeferredOutput.empty()
         hidden, rows = self._forward(batch)
-        grammar = self.structured_output if batch.has_constrained else None
-        if grammar is not None and batch.grammar_updates:  # host work overlaps the forward
-            grammar.commit(self._known_grammar_updates(batch))
         sample_seqs = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
-        if not sample_seqs:
-            return DeferredOutput.empty()
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        logits = self.model.compute_logits(hidden.index_select(0, rows)) if sample_seqs else None
         want = [s.params.logprobs for s in sample_seqs]
-        raw_logprobs = logits.log_softmax(dim=-1) if any(k is not None for k in want) else None
-        errors = grammar.mask_logits(logits, sample_seqs) if grammar is not None else {}
-        token_ids = self.sampler(logits, self._sampling_tensors(sample_seqs))
+        raw_logprobs = None
+        if logits is not None and any(k is not None for k in want):
+            raw_logprobs = logits.log_softmax(dim=-1)
+        step = _Unsampled(sample_seqs, logits, raw_logprobs, want)
+        if not batch.has_constrained:
+            return self._sample(step, {})
+        vocab = logits.shape[1] if logits is not None else 0
+        step.grammar_rows = self.structured_output.start_step(
+            self._grammar_updates(batch), sample_seqs, vocab
+        )
+        return step
+
+    def _sample(self, step: _Unsampled, errors: dict[int, str]) -> DeferredOutput:
+        """Queue the sampling of a step whose logits are masked (where constrained)."""
+        if step.logits is None:
+            return DeferredOutput.empty()
+        token_ids = self.sampler(step.logits, self._sampling_tensors(step.seqs))
         logprobs = None
-        if raw_logprobs is not None:
-            logprobs = compute_logprobs(
-                raw_logprobs, token_ids, max(k for k in want if k is not None)
-            )
-        seq_ids = [s.seq_id for s in sample_seqs]
-        out = DeferredOutput(seq_ids, token_ids, errors, logprobs, want, self.copy_stream)
+        if step.raw_logprobs is not None:
+            num_top = max(k for k in step.want if k is not None)
+            logprobs = compute_logprobs(step.raw_logprobs, token_ids, num_top)
+        seq_ids = [s.seq_id for s in step.seqs]
+        out = DeferredOutput(seq_ids, token_ids, errors, logprobs, step.want, self.copy_stream)
         for seq_id in seq_ids:
             self._sampled_in[seq_id] = out
         return out
 
-    def _known_grammar_updates(self, batch: ScheduledBatch) -> list[GrammarUpdate]:
-        """The batch's grammar updates with each placeholder replaced by the token this rank
-        sampled for it (read from its step's host copy, which may wait for that copy)."""
+    def _grammar_updates(self, batch: ScheduledBatch) -> Callable[[], list[GrammarUpdate]]:
+        """The batch's grammar updates as a function for the grammar thread: there each
+        placeholder becomes the token this rank sampled for it, read from its step's host copy
+        (which may wait for that copy, on that thread). The steps are looked up here, now."""
         seq_ids = {s.request_id: s.seq_id for s in batch.seqs}
-        updates = []
+        known: list[tuple[GrammarUpdate, DeferredOutput | None]] = []
         for u in batch.grammar_updates:
+            source = None
             if PLACEHOLDER in u.new_token_ids:
-                out = self._sampled_in[seq_ids[u.request_id]]
-                token = out.token_of(seq_ids[u.request_id])
-                ids = [token if t == PLACEHOLDER else t for t in u.new_token_ids]
-                u = GrammarUpdate(u.request_id, ids)
-            updates.append(u)
-        return updates
+                source = self._sampled_in[seq_ids[u.request_id]]
+            known.append((u, source))
+
+        def resolve() -> list[GrammarUpdate]:
+            updates = []
+            for u, source in known:
+                if source is not None:
+                    token = source.token_of(seq_ids[u.request_id])
+                    u = GrammarUpdate(
+                        u.request_id, [token if t == PLACEHOLDER else t for t in u.new_token_ids]
+                    )
+                updates.append(u)
+            return updates
+
+        return resolve
 
     # ---- structured-output RPCs, answered by this rank's StructuredOutputWorker ---------------
 

@@ -14,13 +14,15 @@ A request's life on a rank (``worker.StructuredOutputWorker`` does the wiring):
 5. ``release(request_id)`` on any terminal path.
 
 Compilation runs in a background thread; the ready-cache lock is held only for dictionary
-updates, never across compilation. A request's matcher is a ``deep_copy`` of the compiled
-template, so it keeps the grammar after cache eviction. A grammar failure marks only its request.
+updates, never across compilation. A request's matcher is a ``deep_copy`` of a compiled
+template (of the grammar's least used lane: ``grammar_lanes``), so it keeps the grammar after
+cache eviction. A grammar failure marks only its request.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +35,7 @@ import torch
 
 from atom.config import EngineConfig, StructuredOutputWhitespace, default_grammar_threads
 from atom.structured_output.backend_guidance import GrammarError, GuidanceBackend
+from atom.structured_output.grammar_lanes import CompiledGrammar
 from atom.structured_output.json_keys import KeyTokenIndex, KeyTracker
 
 if TYPE_CHECKING:
@@ -87,6 +90,7 @@ class GrammarState:
         self.request_id = request_id
         self.matcher = matcher
         self.error: str | None = None
+        self.lane = 0  # the grammar lane its matcher was copied from (``grammar_lanes``)
         self._backend = backend
         # Rows are written through ``uint32`` views: no torch indexing per row.
         self._stop_words = masks["stop"].numpy().view(np.uint32)
@@ -312,15 +316,17 @@ class StructuredOutputManager:
         self.key_index = KeyTokenIndex(self.backend.token_table[: len(real)])
         self.cache_size = cache_size
         self._lock = threading.Lock()
-        self._ready: OrderedDict[str, LLMatcher | _Failed] = OrderedDict()
+        self._ready: OrderedDict[str, CompiledGrammar | _Failed] = OrderedDict()
         self._pending: dict[str, Future] = {}
         self._states: dict[str, GrammarState] = {}
+        self._grammars: dict[str, CompiledGrammar] = {}  # the grammar each live state is bound to
         # Requests waiting for a compile, by id: the future holds the result, so a grammar
         # evicted from the cache before the request's next ``prepare`` is not compiled again.
         self._waiting: dict[str, Future] = {}
         # The last mask buffer given to ``fill_masks``, its validated geometry and uint32 view.
         self._mask_geometry: tuple[torch.Tensor, int, int, int, np.ndarray] | None = None
         self._executor = ThreadPoolExecutor(compile_threads, thread_name_prefix="atom-grammar")
+        self._lane_executor = ThreadPoolExecutor(1, thread_name_prefix="atom-grammar-lanes")
         self._mask_executor = LLExecutor(self.threads) if self.threads > 1 else None
 
     # ---- admission ---------------------------------------------------------------------------
@@ -356,7 +362,7 @@ class StructuredOutputManager:
             found = found.result()
         return self._result(found)
 
-    def _lookup(self, key: str, lowered: dict | bool) -> LLMatcher | _Failed | Future:
+    def _lookup(self, key: str, lowered: dict | bool) -> CompiledGrammar | _Failed | Future:
         """The cached entry of ``key``, else the future of its compile (started if needed)."""
         with self._lock:
             entry = self._ready.get(key)
@@ -370,15 +376,19 @@ class StructuredOutputManager:
             return future
 
     @staticmethod
-    def _result(entry: LLMatcher | _Failed) -> AdmissionResult:
+    def _result(entry: CompiledGrammar | _Failed) -> AdmissionResult:
         if isinstance(entry, _Failed):
             return AdmissionResult("error", entry.message)
         return AdmissionResult("ready")
 
-    def _compile(self, key: str, lowered: dict | bool) -> LLMatcher | _Failed:
+    def _compile(self, key: str, lowered: dict | bool) -> CompiledGrammar | _Failed:
         """Background thread: compile without the lock, then publish under it."""
         try:
-            entry: LLMatcher | _Failed = self.backend.compile(lowered)
+            start = time.perf_counter()
+            template = self.backend.compile(lowered)
+            entry: CompiledGrammar | _Failed = CompiledGrammar(
+                lowered, template, time.perf_counter() - start
+            )
         except GrammarError as exc:
             entry = _Failed(f"schema not supported: {exc}")
         except Exception as exc:  # noqa: BLE001 - any compiler failure is this schema's error
@@ -412,17 +422,32 @@ class StructuredOutputManager:
             found = found.result()
         if isinstance(found, _Failed):
             return AdmissionResult("error", found.message)
+        matcher, lane = found.bind()
         state = GrammarState(
             request_id,
-            found.deep_copy(),
+            matcher,
             self.backend,
             self.masks,
             getattr(spec, "end_marker", None),
             self.key_index,
         )
+        state.lane = lane
         with self._lock:
             self._states[request_id] = state
+            self._grammars[request_id] = found
+        if found.wants_lane(self.threads):
+            found.growing = True
+            self._lane_executor.submit(self._add_lane, found)
         return AdmissionResult("ready")
+
+    def _add_lane(self, grammar: CompiledGrammar) -> None:
+        """Background thread: one more independently compiled template (``grammar_lanes``)."""
+        try:
+            grammar.add_lane(self.backend.compile(grammar.lowered))
+        except Exception:  # noqa: BLE001 - it compiled once; without a lane it only runs slower
+            grammar.stop_growing()
+        finally:
+            grammar.growing = False
 
     def state(self, request_id: str) -> GrammarState | None:
         return self._states.get(request_id)
@@ -430,8 +455,11 @@ class StructuredOutputManager:
     def release(self, request_id: str) -> None:
         """Drop a request's state; idempotent (every terminal path may call it)."""
         with self._lock:
-            self._states.pop(request_id, None)
+            state = self._states.pop(request_id, None)
+            grammar = self._grammars.pop(request_id, None)
         self._waiting.pop(request_id, None)
+        if state is not None and grammar is not None:
+            grammar.unbind(state.lane)
 
     def commit(self, request_id: str, new_token_ids: Sequence[int]) -> bool:
         """Advance the committed state; False (and ``error(request_id)``) on a grammar failure."""
@@ -463,6 +491,7 @@ class StructuredOutputManager:
                 state.commit(tokens)
         if not single:  # llguidance 1.9.1 refuses an empty call
             return
+        single.sort(key=lambda job: job[0].lane)  # one lane per thread, mostly: grammar_lanes
         accepted = executor.consume_token_par([(state.matcher, t) for state, t in single])
         for (state, token), ok in zip(single, accepted, strict=True):
             state.consumed(token, ok)
@@ -505,6 +534,9 @@ class StructuredOutputManager:
             if state.wants_mask(words, row):
                 jobs.append((state.matcher, row))
                 computed.append(state)
+        if self._mask_executor is not None and len(jobs) > 1:  # one lane per thread, mostly
+            order = sorted(range(len(jobs)), key=lambda k: computed[k].lane)
+            jobs, computed = [jobs[k] for k in order], [computed[k] for k in order]
         self._compute_rows(jobs, base, row_bytes, num_rows)
         for state, (_, job_row) in zip(computed, jobs, strict=True):
             state.check_row(words, job_row)
@@ -552,5 +584,13 @@ class StructuredOutputManager:
     def num_cached_grammars(self) -> int:
         return len(self._ready)
 
+    @property
+    def num_lanes(self) -> int:
+        """Compiled templates of the cached grammars (``grammar_lanes``)."""
+        with self._lock:
+            entries = list(self._ready.values())
+        return sum(e.num_lanes for e in entries if isinstance(e, CompiledGrammar))
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._lane_executor.shutdown(wait=False, cancel_futures=True)

@@ -1,24 +1,31 @@
 """One rank's structured output: everything a worker does for constrained requests.
 
 The model runner creates one of these on the first structured-output RPC and forwards those RPCs
-here; around the forward of a batch with constrained requests it calls ``commit`` and
-``mask_logits``, and it never touches anything else of this package. A request's life on a rank:
+here; for a batch with constrained requests it calls ``start_step`` once the forward is queued
+and ``finish_step`` before sampling, and it never touches anything else of this package. A
+request's life on a rank:
 
 - ``admit`` (the API, before enqueue): this rank can enforce the spec; compilation starts in
   the background. The first call also starts this rank's lazy initialization (tokenizer and
   grammar tokenizer, seconds for a large vocabulary) in a thread, answering ``pending``.
 - ``prepare`` (the engine core, while the request waits in the scheduler): binds the request's
   own matcher as soon as its grammar is compiled, and says so; never waits for a compile.
-- ``commit`` acknowledged tokens, then ``mask_logits`` (fill the rows with llguidance, the rows
-  of different requests at once on ``EngineConfig.structured_output_threads`` threads; apply
-  them with the Triton kernel on GPU or the reference on CPU), every step it is scheduled.
+- every step it is scheduled, on this rank's grammar thread (``start_step``): commit the
+  acknowledged tokens, then fill its mask row with llguidance (the rows of different requests
+  at once on ``EngineConfig.structured_output_threads`` threads), while the engine thread reads
+  the previous step's output; then, on the engine thread (``finish_step``), apply the rows with
+  the Triton kernel on GPU or the reference on CPU.
 - ``release`` on any terminal path, idempotently.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +46,22 @@ if TYPE_CHECKING:
 __all__ = ["StructuredOutputWorker"]
 
 logger = logging.getLogger(__name__)
+
+# The interpreter's thread switch interval while structured output is in use (Python's default is
+# 5 ms). The grammar thread needs the GIL for a moment between its llguidance calls, which release
+# it; with the default it would wait for the engine thread's output processing to finish, and
+# the two would run one after the other instead of at once.
+SWITCH_INTERVAL_S = 1e-4
+
+
+@dataclass
+class GrammarRows:
+    """One step's filled host mask rows: how many, the logits row each masks, and the errors by
+    sequence id of the constrained requests that get no row (or failed filling theirs)."""
+
+    num_rows: int
+    logits_rows: list[int]
+    errors: dict[int, str]
 
 
 class StructuredOutputWorker:
@@ -63,6 +86,11 @@ class StructuredOutputWorker:
         self._init_thread: threading.Thread | None = None
         self._init_error: str | None = None
         self._mask_buffers: MaskBuffers | None = None  # allocated by the first mask
+        # Steps run one at a time on this thread; the lock keeps RPCs from touching grammar
+        # states while one runs (the engine never overlaps them, this makes sure of it).
+        self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="atom-grammar-step")
+        self._lock = threading.Lock()
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
 
     # ---- RPCs ----------------------------------------------------------------------------------
 
@@ -94,13 +122,15 @@ class StructuredOutputWorker:
             return {rid: AdmissionResult("pending") for rid, _ in items}
         if refusal is not None:
             return {rid: AdmissionResult("error", refusal) for rid, _ in items}
-        return {rid: self.manager.prepare(rid, spec) for rid, spec in items}
+        with self._lock:
+            return {rid: self.manager.prepare(rid, spec) for rid, spec in items}
 
     def release(self, request_ids: list[str]) -> None:
         """Drop these requests' grammar state; idempotent (every terminal path may call it)."""
         if self.manager is not None:
-            for rid in request_ids:
-                self.manager.release(rid)
+            with self._lock:
+                for rid in request_ids:
+                    self.manager.release(rid)
 
     def stats(self) -> dict[str, int]:
         mgr = self.manager
@@ -110,21 +140,50 @@ class StructuredOutputWorker:
         }
 
     def shutdown(self) -> None:
+        self._step_thread.shutdown(wait=True)
         if self.manager is not None:
             self.manager.shutdown()
 
-    # ---- per step ------------------------------------------------------------------------------
+    # ---- per step: commit and fill on the grammar thread, apply on the caller's ------------------
 
-    def commit(self, updates: list[GrammarUpdate]) -> None:
+    def start_step(
+        self, updates: Callable[[], list[GrammarUpdate]], seqs: list[Sequence], vocab_size: int
+    ) -> Future[GrammarRows]:
+        """Start one step's host grammar work on this rank's grammar thread and return at once.
+
+        There, ``updates()`` (which may wait for the previous step's sampled ids) is committed,
+        then the rows of the constrained requests among ``seqs`` (the step's sampling sequences,
+        in logits row order) are filled; meanwhile the caller's thread goes on with other work
+        (reading the previous step's output). ``finish_step`` applies the rows.
+        """
+        return self._step_thread.submit(self._step, updates, seqs, vocab_size)
+
+    def finish_step(self, step: Future[GrammarRows], logits: torch.Tensor) -> dict[int, str]:
+        """Wait for a step's rows and mask ``logits`` with them in place (after raw logprobs
+        were taken, before sampling; on CUDA the H2D copy and the kernel are queued on the
+        current stream). Returns structured-output errors by sequence id: those requests end
+        with "error" and their sampled token is dropped."""
+        rows = step.result()
+        if rows.num_rows:
+            assert self._mask_buffers is not None
+            self._mask_buffers.apply(logits, rows.num_rows, rows.logits_rows)
+        return rows.errors
+
+    def _step(
+        self, updates: Callable[[], list[GrammarUpdate]], seqs: list[Sequence], vocab_size: int
+    ) -> GrammarRows:
+        with self._lock:
+            self._commit(updates())
+            return self._fill(seqs, vocab_size)
+
+    def _commit(self, updates: list[GrammarUpdate]) -> None:
         """Advance each request's grammar by its acknowledged tokens. A rejected token marks only
-        that request; one without a state on this rank is failed by `mask_logits`."""
-        if self.manager is not None:
+        that request; one without a state on this rank is failed by `_fill`."""
+        if self.manager is not None and updates:
             self.manager.commit_many((u.request_id, u.new_token_ids) for u in updates)
 
-    def mask_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, str]:
-        """Grammar-mask the constrained rows of `logits` in place (after raw logprobs were taken,
-        before sampling). Returns structured-output errors by sequence id: those requests end
-        with "error" and their sampled token is dropped."""
+    def _fill(self, seqs: list[Sequence], vocab_size: int) -> GrammarRows:
+        """The host mask rows of the constrained requests among ``seqs``, and their errors."""
         mgr = self.manager
         errors: dict[int, str] = {}
         live: list[tuple[str, tuple]] = []
@@ -145,15 +204,14 @@ class StructuredOutputWorker:
                 live_states.append(state)
                 live_rows.append(i)
         if not live:
-            return errors
+            return GrammarRows(0, [], errors)
         if self._mask_buffers is None:
-            self._mask_buffers = MaskBuffers(logits.shape[1], self.device)
+            self._mask_buffers = MaskBuffers(vocab_size, self.device)
         mgr.fill_masks(self._mask_buffers.host_rows(len(live)), live)
         for state, i in zip(live_states, live_rows, strict=True):
             if state.error is not None:  # a matcher failure while masking: stop mask, then error
                 errors[seqs[i].seq_id] = state.error
-        self._mask_buffers.apply(logits, len(live), live_rows)
-        return errors
+        return GrammarRows(len(live), live_rows, errors)
 
     # ---- initialization ------------------------------------------------------------------------
 

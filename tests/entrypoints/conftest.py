@@ -64,7 +64,7 @@ class UvicornThread:
 
         self.port = free_port()
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off"
+            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True, name="uvicorn")

@@ -509,7 +509,8 @@ def test_eos_is_allowed_only_when_the_grammar_accepts(ds):
             logits = torch.zeros(1, runner.model.lm_head.org_vocab_size)
             seq = Sequence("eos-probe", [0], SamplingParams(structured_output=spec))
             with torch.inference_mode():  # as inside execute_model
-                assert worker.mask_logits(logits, [seq]) == {}
+                rows = worker.start_step(list, [seq], logits.shape[1])
+                assert worker.finish_step(rows, logits) == {}
             return bool(torch.isfinite(logits[0, eos]))
 
         assert not eos_allowed()  # nothing generated yet

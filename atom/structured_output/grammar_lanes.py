@@ -1,0 +1,71 @@
+"""A compiled grammar and its lanes: independently compiled templates of it.
+
+A request's matcher is a ``deep_copy`` of a compiled template. llguidance's copy shares the
+template's lexer, behind one lock, with every other copy of it (``Parser`` clones its
+``Arc<Mutex<SharedState>>``), so the masks of requests copied from one template are computed one
+at a time even on the executor's threads: on the H200's host, 16 threads filled 256 such rows
+slower than one thread (benchmarks/bench_grammar_step.py, 2026-12-02). Copies of templates
+compiled independently share nothing. So a grammar that more live requests use than it has
+templates gets another one, compiled in the background, up to the executor's thread count, and
+each request is copied from the template ("lane") that serves the fewest live requests; the
+manager hands llguidance's executor the rows ordered by lane, so one thread mostly meets one lane.
+
+Grammars whose first compile was slow get no extra lane: their compile time would outweigh it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+__all__ = ["LANE_COMPILE_LIMIT_S", "CompiledGrammar"]
+
+# Extra lanes only for grammars that compiled at least this fast the first time.
+LANE_COMPILE_LIMIT_S = 0.2
+
+
+class CompiledGrammar:
+    """The templates (lanes) of one cache key, and how many live requests each serves."""
+
+    def __init__(self, lowered: dict | bool, template: LLMatcher, compile_s: float) -> None:
+        self.lowered = lowered
+        self.compile_s = compile_s
+        self.growing = False  # a lane is being compiled
+        self._can_grow = compile_s <= LANE_COMPILE_LIMIT_S
+        self._lanes = [template]
+        self._live = [0]
+        self._lock = threading.Lock()
+
+    @property
+    def num_lanes(self) -> int:
+        return len(self._lanes)
+
+    def bind(self) -> tuple[LLMatcher, int]:
+        """A new request's own matcher, copied from the least used lane, and that lane."""
+        with self._lock:
+            lane = min(range(len(self._lanes)), key=self._live.__getitem__)
+            self._live[lane] += 1
+            template = self._lanes[lane]
+        return template.deep_copy(), lane
+
+    def unbind(self, lane: int) -> None:
+        with self._lock:
+            self._live[lane] -= 1
+
+    def wants_lane(self, max_lanes: int) -> bool:
+        """Should another lane be compiled now (then ``growing`` is set by the caller)?"""
+        with self._lock:
+            busy = sum(self._live) > len(self._lanes)
+        return busy and self._can_grow and not self.growing and len(self._lanes) < max_lanes
+
+    def stop_growing(self) -> None:
+        """No more lanes (one failed to compile)."""
+        self._can_grow = False
+
+    def add_lane(self, template: LLMatcher) -> None:
+        with self._lock:
+            self._lanes.append(template)
+            self._live.append(0)
