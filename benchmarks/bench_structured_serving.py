@@ -58,10 +58,12 @@ with min and max:
   step time is shared by the whole batch)
 - A/A control = plain2 / plain
 
-The model runner's structured-output hooks are also timed inside each step of the parent
-process (the rank's `StructuredOutputWorker.commit` and `mask_logits`, wrapped on the instance):
-their time per window step, as a share of the plain TPOT, is the part of the overhead the
-runner's grammar work accounts for, measured without the run-to-run noise of a shared machine.
+The engine thread's structured-output hooks are also timed inside each step of the parent
+process (the rank's `StructuredOutputWorker.start_step`, which hands a step's commit and mask
+fill to the grammar thread, and `finish_step`, which waits for the rows and applies them;
+wrapped on the instance): their time per window step, as a share of the plain TPOT, is the part
+of the overhead the engine thread spends on grammar work, measured without the run-to-run noise
+of a shared machine. Grammar-thread work that overlaps the engine thread's is not in it.
 
 Checks (asserted; the run fails otherwise, after writing its results): greedy unconstrained
 token ids equal across `never`, `plain`, `plain2` and the unconstrained half of `mixed` in every
@@ -231,8 +233,9 @@ def random_prompts(tokenizer: Any, n: int, length: int) -> list[list[int]]:
 class StepTimer:
     """Records, per `engine.step()`, the shapes of the batches the scheduler built in this step
     and the one before (with asynchronous scheduling a step submits one and reads the other)
-    and (with `grammar=True`) the time the rank spent in its structured-output hooks (`commit`:
-    accepted tokens; `mask_logits`: fill and apply masks). It wraps methods of this engine's
+    and (with `grammar=True`) the time the engine thread spent in its structured-output hooks
+    (`start_step`: hand the commit and fill to the grammar thread; `finish_step`: wait for the
+    rows, apply them). It wraps methods of this engine's
     instances; nothing in `atom` is changed. The `never` process wraps only the scheduler, so
     nothing of the runner path differs there."""
 
@@ -255,7 +258,7 @@ class StepTimer:
         if grammar:
             (runner,) = engine.executor.workers
             worker = runner.structured_output
-            for name in ("commit", "mask_logits"):
+            for name in ("start_step", "finish_step"):
                 setattr(worker, name, self._timed(getattr(worker, name)))
 
     def full_decode(self, n: int) -> bool:
@@ -568,7 +571,7 @@ def window_stats(raw: dict[str, list[dict]], label: str, failures: list[str]) ->
         "tpot_ms_runs": tpot,
         "ratios": {k: spread(v) for k, v in ratio_runs.items()},
         "ratio_runs": ratio_runs,
-        # ms per window step inside the runner's grammar hooks (commit + mask fill/apply)
+        # ms per window step in the engine thread's grammar hooks (start_step + finish_step)
         "grammar_hooks_ms": {k: spread(v) for k, v in hooks.items()},
         # the same as a share of the plain TPOT of the repeat: the overhead the hooks account
         # for, measured inside the step (insensitive to machine noise between runs)
@@ -680,7 +683,7 @@ def print_checks(result: dict) -> None:
             f"{a['validated']}/{a['finished']} validated, {a['length']} hit the cap, "
             f"{a['error']} errors; unconstrained outputs equal across never/plain/plain2/mixed: "
             f"{row['unconstrained_outputs_match']}; constrained outputs stable: "
-            f"{row['constrained_outputs_stable']}\n  runner grammar hooks per decode step "
+            f"{row['constrained_outputs_stable']}\n  engine-thread grammar hooks per decode step "
             "(ms, median): "
             + ", ".join(f"{k} {v['median']:.2f}" for k, v in h.items())
             + f" = {100 * share['constrained']['median']:.1f}% (constrained), "

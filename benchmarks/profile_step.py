@@ -6,8 +6,9 @@ CPU), greedy, every request of a batch submitted at once. For each batch size an
 next `--steps` full-batch decode steps run with timers wrapped around the methods a step calls
 (on the instances and classes of this process only; nothing in `atom` is changed); then a few
 more run under `torch.profiler`, whose CUDA kernels give the share of each step's wall time the
-GPU was busy. The segments nest (`read` holds `process`; `commit` holds `token_wait`), so they do
-not add up to the step.
+GPU was busy. The segments nest (`read` holds `process`) and some run on the grammar thread
+(`fill`, `commit_many`, and `token_wait` partly) at the same time as the engine thread's, so
+they do not add up to the step.
 
 Prints a table of milliseconds per step; writes benchmarks/results/profile_step_{device}.json
 and, with `--trace`, a gzipped Chrome trace per setting under `--trace-dir`.
@@ -75,10 +76,10 @@ def instrument(engine: Any, segments: Segments) -> None:
     if runner.structured_output.manager is not None:  # structured output was used
         worker = runner.structured_output
         wraps += [
-            (worker, "commit", "commit"),
-            (worker, "mask_logits", "mask_logits"),
-            (worker.manager, "fill_masks", "fill"),
-            (worker.manager, "commit_many", "commit_many"),
+            (worker, "start_step", "grammar_start"),  # engine thread
+            (worker, "finish_step", "grammar_wait_apply"),  # engine thread
+            (worker.manager, "fill_masks", "fill"),  # grammar thread
+            (worker.manager, "commit_many", "commit_many"),  # grammar thread
         ]
     for owner, name, label in wraps:
         segments.wrap(owner, name, label)

@@ -435,19 +435,25 @@ class StructuredOutputManager:
         with self._lock:
             self._states[request_id] = state
             self._grammars[request_id] = found
-        if found.wants_lane(self.threads):
-            found.growing = True
-            self._lane_executor.submit(self._add_lane, found)
+        self._grow(found)
         return AdmissionResult("ready")
 
+    def _grow(self, grammar: CompiledGrammar) -> None:
+        """Compile another lane of ``grammar`` in the background if it wants one."""
+        if grammar.wants_lane(self.threads):
+            grammar.growing = True
+            self._lane_executor.submit(self._add_lane, grammar)
+
     def _add_lane(self, grammar: CompiledGrammar) -> None:
-        """Background thread: one more independently compiled template (``grammar_lanes``)."""
+        """Background thread: one more independently compiled template (``grammar_lanes``),
+        then another while the grammar's live requests still outnumber its lanes."""
         try:
             grammar.add_lane(self.backend.compile(grammar.lowered))
         except Exception:  # noqa: BLE001 - it compiled once; without a lane it only runs slower
             grammar.stop_growing()
         finally:
             grammar.growing = False
+        self._grow(grammar)
 
     def state(self, request_id: str) -> GrammarState | None:
         return self._states.get(request_id)

@@ -87,9 +87,9 @@ def test_rows_are_the_same_on_every_lane(hf):
     mgr = _manager(hf, threads=4)
     try:
         rids = [f"r{i}" for i in range(8)]
-        for rid in rids:
+        for rid in rids:  # a burst: lanes grow up to the 4 threads, with no other bind
             _bind(mgr, rid)
-        _wait_lanes(mgr, 2)
+        _wait_lanes(mgr, 4)
         for rid in rids[::2]:  # rebound: now spread over the lanes
             mgr.release(rid)
             _bind(mgr, rid)
