@@ -210,7 +210,7 @@ class ModelRunner:
         want = [s.params.logprobs for s in sample_seqs]
         raw_logprobs = None
         if logits is not None and any(k is not None for k in want):
-            raw_logprobs = logits.log_softmax(dim=-1)
+            raw_logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
         step = _Unsampled(sample_seqs, logits, raw_logprobs, want)
         if not batch.has_constrained:
             return self._sample(step, {})

@@ -42,13 +42,14 @@ def compute_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_to
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-        """logits [N, V] float32 (possibly masked) -> token ids [N]."""
+        """logits [N, V] in any float dtype (possibly masked) -> token ids [N]; sampling with a
+        temperature runs in float32."""
         greedy_ids = logits.argmax(dim=-1)
         if t.temperatures is None:
             return greedy_ids
         greedy = t.temperatures == 0
         temps = torch.where(greedy, 1.0, t.temperatures).unsqueeze(1)
-        logits = _apply_top_k_top_p(logits / temps, t.top_ks, t.top_ps)
+        logits = _apply_top_k_top_p(logits.float() / temps, t.top_ks, t.top_ps)
         probs = logits.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_()  # unseeded rows: the global RNG
         for row, gen in enumerate(t.generators):  # seeded rows: their own stream, as before

@@ -10,7 +10,10 @@ templates gets another one, compiled in the background, up to the executor's thr
 each request is copied from the template ("lane") that serves the fewest live requests; the
 manager hands llguidance's executor the rows ordered by lane, so one thread mostly meets one lane.
 
-Grammars whose first compile was slow get no extra lane: their compile time would outweigh it.
+A compile holds the GIL for its whole duration (llguidance 1.9.1), stalling every other thread
+of the process, the engine's and the server's included: grammars whose first compile took longer
+than ``LANE_COMPILE_LIMIT_S`` get no extra lane. Typical schemas compile in 0.2-2 ms with the
+129,280-token DeepSeek vocabulary (the token trie is shared by all compiles).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["LANE_COMPILE_LIMIT_S", "CompiledGrammar"]
 
 # Extra lanes only for grammars that compiled at least this fast the first time.
-LANE_COMPILE_LIMIT_S = 0.2
+LANE_COMPILE_LIMIT_S = 0.01
 
 
 class CompiledGrammar:

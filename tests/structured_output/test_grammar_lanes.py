@@ -12,12 +12,19 @@ import torch
 
 pytest.importorskip("llguidance")
 
-from atom.structured_output.grammar_lanes import LANE_COMPILE_LIMIT_S, CompiledGrammar  # noqa: E402
+from atom.structured_output import grammar_lanes  # noqa: E402
+from atom.structured_output.grammar_lanes import CompiledGrammar  # noqa: E402
 from atom.structured_output.manager import StructuredOutputManager  # noqa: E402
 from atom.structured_output.utils import num_mask_words  # noqa: E402
 
 SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}}
 SPEC = SimpleNamespace(key="ints", lowered=SCHEMA, end_marker=None)
+
+
+@pytest.fixture(autouse=True)
+def any_compile_time(monkeypatch):
+    """Lanes for the test grammar however long its compile takes on a busy machine."""
+    monkeypatch.setattr(grammar_lanes, "LANE_COMPILE_LIMIT_S", 10.0)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +79,7 @@ def test_one_thread_or_a_slow_grammar_gets_no_lane(hf):
         template = mgr.backend.compile(SCHEMA)
     finally:
         mgr.shutdown()
-    slow = CompiledGrammar(SCHEMA, template, compile_s=2 * LANE_COMPILE_LIMIT_S)
+    slow = CompiledGrammar(SCHEMA, template, compile_s=2 * grammar_lanes.LANE_COMPILE_LIMIT_S)
     fast = CompiledGrammar(SCHEMA, template, compile_s=0.0)
     for grammar in (slow, fast):
         for _ in range(3):
