@@ -47,10 +47,10 @@ __all__ = ["StructuredOutputWorker"]
 
 logger = logging.getLogger(__name__)
 
-# The interpreter's thread switch interval while structured output is in use (Python's default is
-# 5 ms). The grammar thread needs the GIL for a moment between its llguidance calls, which release
-# it; with the default it would wait for the engine thread's output processing to finish, and
-# the two would run one after the other instead of at once.
+# The interpreter's thread switch interval while a step's grammar work runs (Python's default is
+# 5 ms, restored after it). The grammar thread needs the GIL for a moment between its llguidance
+# calls, which release it; with the default it would wait for the engine thread's output
+# processing to finish, and the two would run one after the other instead of at once.
 SWITCH_INTERVAL_S = 1e-4
 
 
@@ -90,7 +90,7 @@ class StructuredOutputWorker:
         # states while one runs (the engine never overlaps them, this makes sure of it).
         self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="atom-grammar-step")
         self._lock = threading.Lock()
-        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        self._switch_interval = sys.getswitchinterval()  # restored after each step
 
     # ---- RPCs ----------------------------------------------------------------------------------
 
@@ -156,6 +156,8 @@ class StructuredOutputWorker:
         in logits row order) are filled; meanwhile the caller's thread goes on with other work
         (reading the previous step's output). ``finish_step`` applies the rows.
         """
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
         return self._step_thread.submit(self._step, updates, seqs, vocab_size)
 
     def finish_step(self, step: Future[GrammarRows], logits: torch.Tensor) -> dict[int, str]:
@@ -163,7 +165,10 @@ class StructuredOutputWorker:
         were taken, before sampling; on CUDA the H2D copy and the kernel are queued on the
         current stream). Returns structured-output errors by sequence id: those requests end
         with "error" and their sampled token is dropped."""
-        rows = step.result()
+        try:
+            rows = step.result()
+        finally:
+            sys.setswitchinterval(self._switch_interval)
         if rows.num_rows:
             assert self._mask_buffers is not None
             self._mask_buffers.apply(logits, rows.num_rows, rows.logits_rows)
