@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers of draft tokens (verification is `model_ops.rejection_sampler`)."""
