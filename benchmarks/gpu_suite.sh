@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The H200 run behind the committed GPU results: one call of the device tool, carrying .whl
+# (this repo's Python dependencies as wheels) and .gpu_assets (the SmolLM2 tokenizer for the GPU
+# tests). Writes everything under $OUT/gpu (a tarball: the tool brings back few files).
+#   bash benchmarks/gpu_suite.sh      (about 10 minutes: every step has a time limit)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 3
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export ATOM_TEST_TOKENIZER_DIR=$PWD/.gpu_assets/smollm2-tokenizer
+out=/tmp/gpu && mkdir -p $out
+pack() { tar czf "$OUT/gpu.tgz" -C $out .; }
+trap pack EXIT
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.log
+    local name=$1 limit=$2; shift 2
+    echo "== $name" | tee -a $out/summary.log
+    timeout "$limit" "$@" >$out/$name.log 2>&1
+    echo "rc=$? $name" | tee -a $out/summary.log
+    grep -v "it/s\]" $out/$name.log | tail -n 30 >>$out/summary.log
+    pack
+}
+step structured 170 python3 benchmarks/bench_structured_serving.py --random-llama-1b \
+    --device cuda --out $out
+step engine 110 python3 benchmarks/bench_engine.py --device cuda --random-llama-1b --out $out
+step profile 90 python3 benchmarks/profile_step.py --random-llama-1b --device cuda \
+    --batch-sizes 1 16 64 256 --schemas free-string mostly-forbidden --steps 16 \
+    --profile-steps 3 --out $out
+step pytest_gpu 130 python3 -m pytest -q -m gpu tests
+step memcheck 90 compute-sanitizer --tool memcheck --print-limit 20 \
+    python3 benchmarks/sanitize_engine.py
+tail -n 200 $out/summary.log
