@@ -1,33 +1,99 @@
 """Incremental detokenization and stop-string handling for one request.
 
 Each new token is decoded against a few previous tokens (so byte-level merges and leading spaces
-come out right) instead of re-decoding the whole output every step. Text that could still be the
-start of a stop string is held back from `delta_text` until it is known not to be one.
+come out right) instead of re-decoding the whole output every step: its text is what the window
+(the tokens read last, then the new ones) decodes to past what the tokens read last decode to,
+once that is whole UTF-8. Text that could still be the start of a stop string is held back from
+`delta_text` until it is known not to be one.
+
+That is two decodes of short windows per token. A `TokenDecoder`, shared by every request of a
+tokenizer, makes most of them dictionary lookups, without changing a character of the text:
+- the text of a single token is kept once decoded (decoding is a pure function of the ids), and
+  the first window is usually one token, the one before;
+- a byte-level BPE tokenizer (GPT-2's scheme: SmolLM2, DeepSeek, Llama 3, Qwen) decodes a window
+  as the UTF-8 of its tokens' bytes joined, so after a head of one token whose text is whole (no
+  U+FFFD), the next token adds exactly its own text (`whole_head`): no window is decoded at all.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 from atom.sampling_params import SamplingParams
 
 _PROMPT_CONTEXT = 6  # prompt tokens decoded alongside the first output tokens
 
 
-def fast_decode(tokenizer) -> Callable[[list[int]], str]:
-    """`tokenizer.decode(ids, skip_special_tokens=True)`, through the Rust tokenizer directly
-    when transformers would only forward to it (no clean-up of spaces): the engine decodes twice
-    per token of every request, and transformers' wrapper costs more than the decode itself."""
+def _rust_tokenizer(tokenizer) -> Any:
+    """The Rust tokenizer behind `tokenizer` where transformers' decode would only forward to it
+    (no clean-up of spaces); else None."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return backend
+
+
+def fast_decode(tokenizer) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)`, through the Rust tokenizer directly
+    where possible: transformers' wrapper costs more than the decode itself."""
+    backend = _rust_tokenizer(tokenizer)
+    if backend is None:
         return partial(tokenizer.decode, skip_special_tokens=True)
-    return partial(backend.decode, skip_special_tokens=True)
+    rust_decode = backend.decode
+
+    def decode(ids: list[int]) -> str:
+        return rust_decode(ids, True)  # skip_special_tokens, positional: no keyword parsing
+
+    return decode
+
+
+class TokenDecoder:
+    """`fast_decode` of one tokenizer, with the text of single tokens kept once decoded (at most
+    one entry per vocabulary id) and the shortcut of byte-level BPE (see the module docstring).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        from tokenizers.decoders import ByteLevel
+
+        self.decode = fast_decode(tokenizer)
+        backend = _rust_tokenizer(tokenizer)
+        self.byte_level = backend is not None and isinstance(backend.decoder, ByteLevel)
+        self._one: dict[int, str] = {}
+
+    def one(self, token_id: int) -> str:
+        """The text of a single token."""
+        text = self._one.get(token_id)
+        if text is None:
+            text = self._one[token_id] = self.decode([token_id])
+        return text
+
+    def new_text(self, ids: list[int], start: int, end: int) -> str | None:
+        """What `ids[end:]` adds to the text of `ids[start:end]`; None while that is nothing or
+        ends in an incomplete UTF-8 sequence (U+FFFD)."""
+        head = self.one(ids[start]) if end - start == 1 else self.decode(ids[start:end])
+        full = self.decode(ids[start:])
+        if len(full) <= len(head) or full.endswith("\ufffd"):
+            return None
+        return full[len(head) :]
+
+
+_decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def decoder_of(tokenizer) -> TokenDecoder:
+    """The `TokenDecoder` every request of `tokenizer` shares (dropped with the tokenizer)."""
+    decoder = _decoders.get(tokenizer)
+    if decoder is None:
+        decoder = _decoders[tokenizer] = TokenDecoder(tokenizer)
+    return decoder
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
-        self.decode = fast_decode(tokenizer)
+        self.decoder = decoder_of(tokenizer)
         self.ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -37,29 +103,49 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded output so far (truncated at a stop string)
         self.emitted = 0  # characters of `text` already reported
         self.stopped = False
+        # The window's head (the tokens read last) is one token of whole text and the tokenizer
+        # is byte-level: the next token adds exactly its own text (see the module docstring).
+        self.whole_head = False
 
     def add(self, token_id: int) -> str | None:
         """Decode one more token; returns the stop string it completed, if any."""
         self.ids.append(token_id)
-        prefix = self.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.decode(self.ids[self.prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return None  # incomplete UTF-8 sequence: wait for the next token
-        return self._append(full[len(prefix) :])
+        if self.whole_head and self.read_offset == len(self.ids) - 1:
+            text = self.decoder.one(token_id)  # after a whole head, the token's own text
+            if not text or text.endswith("\ufffd"):
+                return None  # nothing yet, or incomplete UTF-8: wait for the next token
+            stop = self._append(text)
+            self.whole_head = "\ufffd" not in text  # this token is the window's head now
+            return stop
+        text = self.decoder.new_text(self.ids, self.prefix_offset, self.read_offset)
+        if text is None:
+            return None
+        stop = self._append(text)
+        self.whole_head = self._head_is_whole()
+        return stop
+
+    def _head_is_whole(self) -> bool:
+        """Is the window's head one token of whole text, on a byte-level tokenizer?"""
+        start = self.prefix_offset
+        return (
+            self.decoder.byte_level
+            and self.read_offset - start == 1
+            and "\ufffd" not in self.decoder.one(self.ids[start])
+        )
 
     def flush(self) -> None:
         """At the end, decode tokens still held back as incomplete UTF-8 (as replacement chars)."""
         if self.stopped or self.read_offset == len(self.ids):
             return
-        prefix = self.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.decode(self.ids[self.prefix_offset :])
-        self._append(full[len(prefix) :])
+        decode, start = self.decoder.decode, self.prefix_offset
+        head = decode(self.ids[start : self.read_offset])
+        self._append(decode(self.ids[start:])[len(head) :])
 
     def _append(self, new_text: str) -> str | None:
         old_len = len(self.text)
         self.text += new_text
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return self._find_stop(old_len)
+        return self._find_stop(old_len) if self.stop else None
 
     def _find_stop(self, old_len: int) -> str | None:
         best: tuple[int, str] | None = None
@@ -73,13 +159,14 @@ class IncrementalDetokenizer:
         self.stopped = True
         return best[1]
 
-    def take_delta(self, finished: bool) -> str:
-        """Text not reported yet; holds back a possible stop-string prefix until finished."""
-        end = len(self.text) if finished else max(self.emitted, len(self.text) - self.hold_back)
-        delta = self.text[self.emitted : end]
+    def report(self, finished: bool) -> tuple[str, str]:
+        """(text reported so far, delta): the text not reported yet, less a possible
+        stop-string prefix, which is held back until finished."""
+        text = self.text
+        if finished or not self.hold_back:
+            end = len(text)
+        else:
+            end = max(self.emitted, len(text) - self.hold_back)
+        delta = text[self.emitted : end]
         self.emitted = end
-        return delta
-
-    @property
-    def emitted_text(self) -> str:
-        return self.text[: self.emitted]
+        return text[:end], delta
