@@ -82,7 +82,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        known = min(seq.num_computed_tokens, len(seq) - seq.num_placeholders)
+        known = min(seq.num_computed_tokens, seq.num_known_tokens)
         while (seq.num_hashed_blocks + 1) * bs <= known:
             i = seq.num_hashed_blocks
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])

@@ -88,6 +88,8 @@ class Scheduler:
         return not self.running and len(self.waiting) == len(self._awaiting_grammar)
 
     def add(self, seq: Sequence) -> None:
+        if self.config.max_model_len is not None:
+            seq.max_len = min(seq.max_len, self.config.max_model_len)
         self.requests[seq.request_id] = seq
         if seq.params.structured_output is not None:
             seq.status = SequenceStatus.WAITING_FOR_GRAMMAR
@@ -114,23 +116,25 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> tuple[int, bool]:
         """Running sequences first, in order; preempts the newest when the cache is full.
         Returns the budget left and whether anything was preempted."""
-        bm = self.block_manager
+        bm, running = self.block_manager, self.running
+        block_size = bm.block_size
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(running) and budget > 0:
+            seq = running[i]
             i += 1
-            if self._at_limit(seq):
-                continue
-            n = min(len(seq) - seq.num_computed_tokens, budget)
-            if n > 1 or seq.num_computed_tokens % bm.block_size == 0:  # may need new blocks
-                while not bm.can_allocate(seq, seq.num_computed_tokens + n):
+            if seq.num_placeholders and len(seq.token_ids) >= seq.max_len:
+                continue  # at its limit once its pending token is read: computing more is waste
+            computed = seq.num_computed_tokens
+            n = min(len(seq.token_ids) - computed, budget)
+            if n > 1 or computed % block_size == 0:  # may need new blocks
+                while not bm.can_allocate(seq, computed + n):
                     preempted = True
-                    if self._preempt(self.running.pop()) is seq:
+                    if self._preempt(running.pop()) is seq:
                         break
                 if seq.status != SequenceStatus.RUNNING:
                     break
-                bm.allocate(seq, seq.num_computed_tokens + n)
+                bm.allocate(seq, computed + n)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
@@ -164,31 +168,25 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
 
-    def _at_limit(self, seq: Sequence) -> bool:
-        """Its pending token already reaches max_tokens or the model's length: it finishes when
-        that token is read, so computing another would be wasted."""
-        if not seq.num_placeholders:
-            return False
-        max_len = self.config.max_model_len
-        return seq.num_scheduled_output_tokens >= seq.params.max_tokens or (
-            max_len is not None and len(seq) >= max_len
-        )
-
     def _advance(self, batch: ScheduledBatch) -> None:
         """Count the batch's tokens as computed and append a placeholder per sampled token
         (grammar updates first: they carry only tokens scheduled before this step). Blocks that
         became full of known tokens enter the prefix cache now: a later step that reuses them
         runs after this one on the device, which writes their K/V first."""
+        commit, block_size = self.block_manager.commit, self.block_manager.block_size
+        starts, sampling = batch.num_computed_before, batch.sampling
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
-            batch.num_computed_before.append(start)
-            batch.sampling.append(start + n == len(seq))
+            samples = start + n == len(seq.token_ids)
+            starts.append(start)
+            sampling.append(samples)
             seq.num_computed_tokens = start + n
-            self.block_manager.commit(seq)  # full blocks of known tokens: findable at once
+            if start + n >= (seq.num_hashed_blocks + 1) * block_size:
+                commit(seq)  # a block may be full of known tokens: findable at once
             if seq.params.structured_output is not None:
                 batch.has_constrained = True
                 self._grammar_update(batch, seq)
-            if batch.sampling[-1]:
+            if samples:
                 seq.append_placeholder()
 
     @staticmethod
@@ -205,14 +203,20 @@ class Scheduler:
         failed one, loses its placeholder). Returns the (sequence, token) pairs to process;
         sequences that finished meanwhile are skipped: their token is never emitted."""
         got_token = []
+        commit, block_size = self.block_manager.commit, self.block_manager.block_size
+        finished, running = SequenceStatus.FINISHED, SequenceStatus.RUNNING
         for seq, samples in zip(batch.seqs, batch.sampling, strict=True):
-            if seq.is_finished:
+            if seq.status is finished:
                 continue
-            token = sampled.get(seq.seq_id) if samples else None
+            token = None
             if samples:
+                token = sampled.get(seq.seq_id)
                 seq.resolve_placeholder(token)
-            if seq.status == SequenceStatus.RUNNING:
-                self.block_manager.commit(seq)
+            if (
+                seq.status is running
+                and seq.num_computed_tokens >= (seq.num_hashed_blocks + 1) * block_size
+            ):
+                commit(seq)  # a block may be full of known tokens now
             if token is not None:
                 got_token.append((seq, token))
         return got_token

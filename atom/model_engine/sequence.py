@@ -30,8 +30,13 @@ class Sequence:
         self.request_id = request_id
         self.params = params
         self.prompt_token_ids = list(prompt_token_ids)
+        # Prompt, then output tokens: an entry before the placeholders never changes again, so
+        # each step's output refers to them instead of copying (`output.TokenIdsPrefix`).
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        # Prompt + output length at which it finishes with "length": max_tokens, capped at the
+        # model's length by the scheduler (`Scheduler.add`).
+        self.max_len = self.num_prompt_tokens + params.max_tokens
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
@@ -56,14 +61,14 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.num_placeholders]
 
     @property
+    def num_known_tokens(self) -> int:
+        """Prompt and output tokens read so far (placeholders excluded)."""
+        return len(self.token_ids) - self.num_placeholders
+
+    @property
     def num_output_tokens(self) -> int:
         """Output tokens read so far (placeholders excluded)."""
         return len(self.token_ids) - self.num_placeholders - self.num_prompt_tokens
-
-    @property
-    def num_scheduled_output_tokens(self) -> int:
-        """Output tokens read or being computed (placeholders included)."""
-        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
