@@ -35,7 +35,7 @@ from atom.config import EngineConfig
 from atom.model_engine.block_manager import BlockManager
 from atom.model_engine.detokenizer import IncrementalDetokenizer
 from atom.model_engine.executor import Executor
-from atom.model_engine.output import RequestOutput, TokenLogprob
+from atom.model_engine.output import RequestOutput, TokenIdsPrefix, TokenLogprob
 from atom.model_engine.scheduler import ScheduledBatch, Scheduler
 from atom.model_engine.sequence import Sequence
 
@@ -214,45 +214,45 @@ class EngineCore:
         state = self.states[seq.request_id]
         stop_str = state.detokenizer.add(token)
         params = seq.params
-        if not params.ignore_eos and token in self.eos_token_ids:
+        if token in self.eos_token_ids and not params.ignore_eos:
             self.scheduler.finish(seq, "stop")
         elif token in params.stop_token_ids:
             self.scheduler.finish(seq, "stop", token)
         elif stop_str is not None:
             self.scheduler.finish(seq, "stop", stop_str)
-        elif seq.num_output_tokens >= params.max_tokens or (
-            seq.num_prompt_tokens + seq.num_output_tokens >= self.config.max_model_len
-        ):
+        elif seq.num_known_tokens >= seq.max_len:
             self.scheduler.finish(seq, "length")
         return self._output(state, [logprob] if logprob is not None else [])
 
     def _output(
         self, state: _RequestState, logprobs: list[TokenLogprob], error: str | None = None
     ) -> RequestOutput:
-        seq = state.seq
-        output_ids = seq.output_token_ids
-        new_ids = output_ids[state.num_reported :]
-        state.num_reported = len(output_ids)
-        if seq.is_finished:
-            state.detokenizer.flush()
-        delta = state.detokenizer.take_delta(seq.is_finished)
-        if seq.is_finished:
+        seq, detokenizer = state.seq, state.detokenizer
+        finished = seq.is_finished
+        start, end = seq.num_prompt_tokens, seq.num_known_tokens
+        new_ids = seq.token_ids[start + state.num_reported : end]
+        state.num_reported = end - start
+        if finished:
+            detokenizer.flush()
             del self.states[seq.request_id]
             if seq.params.structured_output is not None:
                 self._grammar_release.append(seq.request_id)
+        text, delta = detokenizer.report(finished)
+        # Positional, in field order: keyword arguments cost three times as much, per request
+        # per step.
         return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=output_ids,
-            new_token_ids=new_ids,
-            text=state.detokenizer.emitted_text,
-            delta_text=delta,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            logprobs=logprobs if seq.params.logprobs is not None else None,
-            error=error,
-            num_cached_tokens=seq.num_cached_tokens,
+            seq.request_id,
+            seq.prompt_token_ids,
+            TokenIdsPrefix(seq.token_ids, start, end),  # the output so far, copied when read
+            new_ids,
+            text,
+            delta,
+            finished,
+            seq.finish_reason,
+            seq.stop_reason,
+            logprobs if seq.params.logprobs is not None else None,
+            error,
+            seq.num_cached_tokens,
         )
 
     # ---- background busy loop ----

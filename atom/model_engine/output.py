@@ -1,8 +1,43 @@
-"""What the engine reports per request per step (the contract the API servers code against)."""
+"""What the engine reports per request per step (the contract the API servers code against).
+
+A request's `output_token_ids` grows by a token a step, and every output carries all of them:
+copying them into each step's output would cost the engine time quadratic in the output's
+length. The engine hands each output a `TokenIdsPrefix` instead (its sequence's token list and
+the bounds of the output so far), which the first read of `output_token_ids` turns into the
+list; entries below the bound never change, so that list is what a copy would have been.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+
+class TokenIdsPrefix:
+    """`ids[start:end]`, copied out when read; `ids` may only change at or past `end`."""
+
+    __slots__ = ("ids", "start", "end")
+
+    def __init__(self, ids: list[int], start: int, end: int) -> None:
+        self.ids, self.start, self.end = ids, start, end
+
+    def copy(self) -> list[int]:
+        return self.ids[self.start : self.end]
+
+
+class _TokenIds:
+    """A `RequestOutput` field given a list or a `TokenIdsPrefix`; always read as a list."""
+
+    def __get__(self, obj: Any, owner: type | None = None) -> list[int]:
+        if obj is None:
+            raise AttributeError  # no default value: the field is required
+        value = obj._token_ids
+        if type(value) is TokenIdsPrefix:
+            value = obj._token_ids = value.copy()
+        return value
+
+    def __set__(self, obj: Any, value: list[int] | TokenIdsPrefix) -> None:
+        obj._token_ids = value  # an attribute of its own: no instance dict is built for it
 
 
 @dataclass
@@ -16,7 +51,7 @@ class TokenLogprob:
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # all generated so far
+    output_token_ids: list[int] = _TokenIds()  # all generated so far
     new_token_ids: list[int]  # since this request's previous output
     text: str  # detokenized output so far, stop string excluded
     delta_text: str  # text added since the previous output

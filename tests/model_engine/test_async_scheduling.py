@@ -175,3 +175,39 @@ def test_structured_output_async_matches_sync(smollm2_dir):
         final = results[True][rid][-1]
         assert final.error is None and final.finish_reason == "stop"
         assert set(json.loads(final.text)) == {"name", "age"}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_each_output_keeps_what_it_had(tiny_llama_dir, async_scheduling):
+    """Outputs read only once every request has ended (their sequences have since grown, had
+    placeholders resolved or dropped, been preempted, one aborted) still hold the output ids and
+    text of their own step; copies and pickles of them too."""
+    import dataclasses
+    import pickle
+
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    engine = _engine(
+        tiny_llama_dir,
+        async_scheduling,
+        kv_cache_bytes=10 * BLOCK_BYTES,
+        max_num_batched_tokens=24,
+    )
+    for i, prompt in enumerate(_prompts(4)):
+        engine.add_request(f"r{i}", prompt, params)
+    outputs: dict[str, list] = {f"r{i}": [] for i in range(4)}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+        if len(outputs["r1"]) == 6:
+            engine.abort_request(["r1"])
+    _assert_all_free(engine)
+    assert engine.cores[0].scheduler.num_preemptions > 0
+    assert outputs["r1"][-1].finish_reason == "abort"
+    copied = pickle.loads(pickle.dumps(outputs["r0"][3]))  # before anything reads its ids
+    replaced = dataclasses.replace(outputs["r2"][5], logprobs=None)
+    for outs in outputs.values():
+        ids, text = [], ""
+        for out in outs:
+            ids, text = ids + out.new_token_ids, text + out.delta_text
+            assert out.output_token_ids == ids and out.text == text
+    assert copied == outputs["r0"][3] and replaced == outputs["r2"][5]
