@@ -1,17 +1,26 @@
-"""One step's model inputs, built on the host with one tensor per field.
+"""One step's model inputs, built on the host as two flat lists and two tensors.
 
-Per sequence the runner only slices and extends Python lists (per KV block for a prefill chunk,
-never per token), then makes one `torch.tensor` per field; on CUDA those tensors are pinned so
-that their copies to the device are asynchronous and the host never waits for the GPU here.
+Per sequence the host reads its input token and block table (a decode row, the common one) or
+slices its tokens (a prefill chunk, per KV block, never per token), and extends Python lists.
+Every int64 field then comes from one conversion and every int32 field from another, as views
+of those two tensors: a call into torch or numpy costs the host far more than a list extend (its
+code and data are cold after the model's forward), so a step makes only a handful. On CUDA both
+tensors are pinned so that their copies to the device are asynchronous and the host never waits
+for the GPU here.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate, compress
 
+import numpy as np
 import torch
 
 from atom.model_engine.scheduler import ScheduledBatch
+from atom.model_engine.sequence import PLACEHOLDER
 
 
 @dataclass
@@ -33,6 +42,17 @@ class StepInputs:
     placeholder_seq_ids: list[int]
 
 
+@dataclass
+class _Rows:
+    """One step's token rows, as lists: the input id, position and KV slot of each, and the row
+    of each sequence's last token."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    last_rows: Sequence[int]
+
+
 def block_slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Flat KV-cache slots of positions [start, end) of a sequence: one range per block."""
     slots: list[int] = []
@@ -47,45 +67,77 @@ def build_step_inputs(
 ) -> StepInputs:
     """The batch's inputs, padded with `num_rows - len(batch.seqs)` one-token padding rows
     (decode steps for a CUDA graph only); `pin` on CUDA."""
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    ctx_lens: list[int] = []
-    rows: list[int] = []
-    placeholder_rows: list[int] = []
-    placeholder_seq_ids: list[int] = []
-    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-        start = batch.num_computed_before[i]
-        pending = len(seq) - seq.num_placeholders  # index of its oldest placeholder
-        if start <= pending < start + n:  # in practice a decode row's single token
-            placeholder_rows.append(len(ids) + pending - start)
-            placeholder_seq_ids.append(seq.seq_id)
-        if n == 1:  # decode: the common row, without building ranges
-            ids.append(seq.token_ids[start])
-            pos.append(start)
-            slots.append(seq.block_table[start // block_size] * block_size + start % block_size)
-        else:
-            ids += seq.token_ids[start : start + n]
-            pos += range(start, start + n)
-            slots += block_slots(seq.block_table, start, start + n, block_size)
-        ctx_lens.append(start + n)
-        if batch.samples(i):
-            rows.append(len(ids) - 1)
-    pad = num_rows - len(batch.seqs)
-    width = max(len(seq.block_table) for seq in batch.seqs)
-    tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
-
-    def host(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, pin_memory=pin)
-
-    return StepInputs(
-        input_ids=host(ids + [0] * pad, torch.long),
-        positions=host(pos + [0] * pad, torch.long),
-        slot_mapping=host(slots + [-1] * pad, torch.long),
-        block_tables=host(tables + [[0] * width] * pad, torch.int32),
-        context_lens=host(ctx_lens + [0] * pad, torch.int32),
-        query_lens=list(batch.num_new_tokens),
-        sample_rows=host(rows, torch.long),
-        placeholder_rows=placeholder_rows,
-        placeholder_seq_ids=placeholder_seq_ids,
+    seqs, num_new = batch.seqs, batch.num_new_tokens
+    decode = max(num_new) == 1
+    rows = _decode_rows(batch, block_size) if decode else _chunk_rows(batch, block_size)
+    pad = num_rows - len(seqs)
+    zeros = [0] * pad
+    sample_rows = list(compress(rows.last_rows, batch.sampling))
+    longs = rows.ids + zeros + rows.positions + zeros + rows.slots + [-1] * pad + sample_rows
+    n = len(rows.ids) + pad
+    input_ids, positions, slots, sampled = _host(longs, np.int64, pin).split(
+        [n, n, n, len(sample_rows)]
     )
+    context_lens, block_tables = _context_and_tables(batch, pad, pin)
+    # A row whose input is a placeholder (a sequence's oldest, at most one a sequence).
+    placeholders = [r for r, token in enumerate(rows.ids) if token == PLACEHOLDER]
+    owners = placeholders if decode else [bisect_left(rows.last_rows, r) for r in placeholders]
+    return StepInputs(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slots,
+        block_tables=block_tables,
+        context_lens=context_lens,
+        query_lens=list(num_new),
+        sample_rows=sampled,
+        placeholder_rows=placeholders,
+        placeholder_seq_ids=[seqs[i].seq_id for i in owners],
+    )
+
+
+def _decode_rows(batch: ScheduledBatch, block_size: int) -> _Rows:
+    """One token a sequence: its input token, at the position after its cached ones."""
+    seqs, starts = batch.seqs, batch.num_computed_before
+    ids = [seq.token_ids[s] for seq, s in zip(seqs, starts, strict=True)]
+    slots = [
+        seq.block_table[s // block_size] * block_size + s % block_size
+        for seq, s in zip(seqs, starts, strict=True)
+    ]
+    return _Rows(ids, starts, slots, range(len(seqs)))
+
+
+def _chunk_rows(batch: ScheduledBatch, block_size: int) -> _Rows:
+    """Prefill chunks (and decode rows) of any length: a slice of tokens per sequence and one
+    slot range per KV block."""
+    rows = _Rows([], [], [], [r - 1 for r in accumulate(batch.num_new_tokens)])
+    for seq, n, start in zip(
+        batch.seqs, batch.num_new_tokens, batch.num_computed_before, strict=True
+    ):
+        rows.ids += seq.token_ids[start : start + n]
+        rows.positions += range(start, start + n)
+        rows.slots += block_slots(seq.block_table, start, start + n, block_size)
+    return rows
+
+
+def _context_and_tables(batch: ScheduledBatch, pad: int, pin: bool) -> tuple[torch.Tensor, ...]:
+    """Context lengths [B + pad] and block tables [B + pad, width] (zero-padded), int32, as
+    views of one tensor."""
+    tables = [seq.block_table for seq in batch.seqs]
+    width = max(map(len, tables))
+    zeros = [0] * width
+    ints = [s + n for s, n in zip(batch.num_computed_before, batch.num_new_tokens, strict=True)]
+    ints += [0] * pad
+    for table in tables:
+        ints += table
+        ints += zeros[len(table) :]
+    ints += zeros * pad
+    rows = len(tables) + pad
+    context_lens, flat = _host(ints, np.int32, pin).split([rows, rows * width])
+    return context_lens, flat.view(rows, width)
+
+
+def _host(values: list[int], dtype: type, pin: bool) -> torch.Tensor:
+    """A host tensor of `values` (pinned with `pin`): numpy converts a list of ints several
+    times faster than `torch.tensor`."""
+    array = torch.from_numpy(np.array(values, dtype=dtype))
+    return array.pin_memory() if pin else array
