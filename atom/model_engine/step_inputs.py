@@ -14,7 +14,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import accumulate, compress
+from itertools import accumulate, compress, pairwise
 
 import numpy as np
 import torch
@@ -75,9 +75,7 @@ def build_step_inputs(
     sample_rows = list(compress(rows.last_rows, batch.sampling))
     longs = rows.ids + zeros + rows.positions + zeros + rows.slots + [-1] * pad + sample_rows
     n = len(rows.ids) + pad
-    input_ids, positions, slots, sampled = _host(longs, np.int64, pin).split(
-        [n, n, n, len(sample_rows)]
-    )
+    input_ids, positions, slots, sampled = _host(longs, np.int64, [n, n, n, len(sample_rows)], pin)
     context_lens, block_tables = _context_and_tables(batch, pad, pin)
     # A row whose input is a placeholder (a sequence's oldest, at most one a sequence).
     placeholders = [r for r, token in enumerate(rows.ids) if token == PLACEHOLDER]
@@ -132,12 +130,17 @@ def _context_and_tables(batch: ScheduledBatch, pad: int, pin: bool) -> tuple[tor
         ints += zeros[len(table) :]
     ints += zeros * pad
     rows = len(tables) + pad
-    context_lens, flat = _host(ints, np.int32, pin).split([rows, rows * width])
+    context_lens, flat = _host(ints, np.int32, [rows, rows * width], pin)
     return context_lens, flat.view(rows, width)
 
 
-def _host(values: list[int], dtype: type, pin: bool) -> torch.Tensor:
-    """A host tensor of `values` (pinned with `pin`): numpy converts a list of ints several
-    times faster than `torch.tensor`."""
-    array = torch.from_numpy(np.array(values, dtype=dtype))
-    return array.pin_memory() if pin else array
+def _host(values: list[int], dtype: type, sizes: list[int], pin: bool) -> list[torch.Tensor]:
+    """`values` cut into consecutive fields of `sizes`, as host tensors: on CUDA, views of one
+    pinned tensor (its copies to the device are then asynchronous); else each field from its
+    own numpy slice (a torch view costs several times as much). numpy converts a list of ints
+    several times faster than `torch.tensor`."""
+    array = np.array(values, dtype=dtype)
+    if pin:
+        return list(torch.from_numpy(array).pin_memory().split(sizes))
+    bounds = list(accumulate(sizes, initial=0))
+    return [torch.from_numpy(array[a:b]) for a, b in pairwise(bounds)]
