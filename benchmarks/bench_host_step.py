@@ -19,8 +19,9 @@ Each column is the median over the timed steps, then over `--repeats` runs. With
 DIR` (a checkout of the code before the change, e.g. `git worktree add /tmp/atom-base HEAD`)
 each repeat runs the baseline and then the current checkout, each in its own process importing
 its own `atom`, so that the two sides interleave; both must produce the same token ids and text
-(checked). Prints a table; writes benchmarks/results/bench_host_step.json and .png.
+(checked). Prints a table; writes benchmarks/results/bench_host_step{_TAG}.json and .png.
     python benchmarks/bench_host_step.py --baseline /tmp/atom-base [--repeats 5]
+    python benchmarks/bench_host_step.py --baseline /tmp/atom-base --max-tokens 512 --tag long
 """
 
 from __future__ import annotations
@@ -250,6 +251,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--baseline", type=Path, help="another checkout to measure the same way")
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/atom-bench-tiny-llama"))
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--tag", default="", help="suffix of the output files")
     ap.add_argument("--side", type=Path, help=argparse.SUPPRESS)
     return ap.parse_args()
 
@@ -273,7 +275,7 @@ def main() -> None:
     meta.update({k: getattr(args, k) for k in ("max_tokens", "prompt_tokens", "repeats")})
     result = {"meta": meta, "results": results, "runs": runs}
     args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / "bench_host_step.json"
+    out = args.out / f"bench_host_step{'_' + args.tag if args.tag else ''}.json"
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     plot(result, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")

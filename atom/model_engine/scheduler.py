@@ -126,7 +126,9 @@ class Scheduler:
             if seq.num_placeholders and len(seq.token_ids) >= seq.max_len:
                 continue  # at its limit once its pending token is read: computing more is waste
             computed = seq.num_computed_tokens
-            n = min(len(seq.token_ids) - computed, budget)
+            n = len(seq.token_ids) - computed
+            if n > budget:
+                n = budget
             if n > 1 or computed % block_size == 0:  # may need new blocks
                 while not bm.can_allocate(seq, computed + n):
                     preempted = True
