@@ -78,7 +78,8 @@ class BlockManager:
 
     def commit(self, seq: Sequence) -> None:
         """Register blocks that became full of computed, known tokens in the prefix cache (a
-        placeholder's value is not known yet, so its block waits)."""
+        placeholder's value is not known yet, so its block waits). The scheduler calls it only
+        where one may be: `num_computed_tokens >= (num_hashed_blocks + 1) * block_size`."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
