@@ -188,8 +188,11 @@ class ModelRunner:
         self._submitted.append(self._sample(step, errors))
 
     def take_output(self) -> RunnerOutput:
-        """The output of the oldest submitted step not taken yet (waits for its host copy)."""
-        self.complete_submission()
+        """The output of the oldest submitted step not taken yet (waits for its host copy). A
+        step still waiting for its grammar rows is the newest: it is completed only when its
+        own output is the one taken, so reading an older one never waits for those rows."""
+        if not self._submitted:
+            self.complete_submission()
         return self._submitted.popleft().result()
 
     def execute_model(self, batch: ScheduledBatch) -> RunnerOutput:

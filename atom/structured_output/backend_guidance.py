@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -289,11 +289,17 @@ class GuidanceBackend:
 
     def compile(self, lowered: dict | bool) -> LLMatcher:
         """A pristine matcher for the schema; requests get ``deep_copy()`` of it."""
+        return self.compiler(lowered)()
+
+    def compiler(self, lowered: dict | bool) -> Callable[[], LLMatcher]:
+        """A function that compiles the schema as it would be compiled now (the same grammar
+        text and parser limits), as often as asked: a grammar's lanes are made with it."""
+        return functools.partial(self._matcher, self.grammar(lowered), self.limits)
+
+    def _matcher(self, grammar: str, limits: LLParserLimits) -> LLMatcher:
         from llguidance import LLMatcher
 
-        matcher = LLMatcher(
-            self.ll_tokenizer, self.grammar(lowered), log_level=0, limits=self.limits
-        )
+        matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
             raise GrammarError(_safe_message(matcher.get_error()))
         return matcher

@@ -19,6 +19,7 @@ than ``LANE_COMPILE_LIMIT_S`` get no extra lane. Typical schemas compile in 0.2-
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -33,8 +34,12 @@ LANE_COMPILE_LIMIT_S = 0.01
 class CompiledGrammar:
     """The templates (lanes) of one cache key, and how many live requests each serves."""
 
-    def __init__(self, lowered: dict | bool, template: LLMatcher, compile_s: float) -> None:
-        self.lowered = lowered
+    def __init__(
+        self, compile: Callable[[], LLMatcher], template: LLMatcher, compile_s: float
+    ) -> None:
+        """``compile``: makes another template exactly like ``template`` (same grammar text
+        and limits); ``compile_s``: how long ``template`` took."""
+        self.compile = compile
         self.compile_s = compile_s
         self.growing = False  # a lane is being compiled
         self._can_grow = compile_s <= LANE_COMPILE_LIMIT_S

@@ -384,10 +384,11 @@ class StructuredOutputManager:
     def _compile(self, key: str, lowered: dict | bool) -> CompiledGrammar | _Failed:
         """Background thread: compile without the lock, then publish under it."""
         try:
+            compile_again = self.backend.compiler(lowered)
             start = time.perf_counter()
-            template = self.backend.compile(lowered)
+            template = compile_again()
             entry: CompiledGrammar | _Failed = CompiledGrammar(
-                lowered, template, time.perf_counter() - start
+                compile_again, template, time.perf_counter() - start
             )
         except GrammarError as exc:
             entry = _Failed(f"schema not supported: {exc}")
@@ -448,7 +449,7 @@ class StructuredOutputManager:
         """Background thread: one more independently compiled template (``grammar_lanes``),
         then another while the grammar's live requests still outnumber its lanes."""
         try:
-            grammar.add_lane(self.backend.compile(grammar.lowered))
+            grammar.add_lane(grammar.compile())
         except Exception:  # noqa: BLE001 - it compiled once; without a lane it only runs slower
             grammar.stop_growing()
         finally:

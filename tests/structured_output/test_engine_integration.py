@@ -267,13 +267,13 @@ def test_cache_eviction_after_admission_does_not_matter(smol, monkeypatch):
     mgr = smol.executor.workers[0].structured_output.manager
     monkeypatch.setattr(mgr, "cache_size", 1)
     compile_threads: list[str] = []
-    real_compile = mgr.backend.compile
+    real_compiler = mgr.backend.compiler
 
-    def compile_watch(lowered):
+    def compiler_watch(lowered):
         compile_threads.append(threading.current_thread().name)
-        return real_compile(lowered)
+        return real_compiler(lowered)
 
-    monkeypatch.setattr(mgr.backend, "compile", compile_watch)
+    monkeypatch.setattr(mgr.backend, "compiler", compiler_watch)
     a = spec_of(smol, _closed("x", {"enum": [1, 2]}))
     prompt = _prompt(smol, "Reply with JSON.")
     smol.add_request(

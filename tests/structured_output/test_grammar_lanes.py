@@ -79,8 +79,8 @@ def test_one_thread_or_a_slow_grammar_gets_no_lane(hf):
         template = mgr.backend.compile(SCHEMA)
     finally:
         mgr.shutdown()
-    slow = CompiledGrammar(SCHEMA, template, compile_s=2 * grammar_lanes.LANE_COMPILE_LIMIT_S)
-    fast = CompiledGrammar(SCHEMA, template, compile_s=0.0)
+    slow = CompiledGrammar(template.deep_copy, template, 2 * grammar_lanes.LANE_COMPILE_LIMIT_S)
+    fast = CompiledGrammar(template.deep_copy, template, compile_s=0.0)
     for grammar in (slow, fast):
         for _ in range(3):
             grammar.bind()  # three requests on the only lane

@@ -95,9 +95,9 @@ def test_bound_matcher_survives_cache_eviction(mgr, hf, rid, monkeypatch) -> Non
     assert mgr.admit(spec(SCHEMA, "s"), mgr.fingerprint, VOCAB, 60).status == "ready"
     state = bind(mgr, rid)
     compiled: list[object] = []
-    real_compile = mgr.backend.compile
+    real_compiler = mgr.backend.compiler
     monkeypatch.setattr(
-        mgr.backend, "compile", lambda lowered: compiled.append(lowered) or real_compile(lowered)
+        mgr.backend, "compiler", lambda lowered: compiled.append(lowered) or real_compiler(lowered)
     )
     for i in range(3):  # evict "s" from the 2-entry cache
         mgr.admit(spec({"type": "integer", "minimum": i}, f"i{i}"), mgr.fingerprint, VOCAB, 60)
@@ -120,14 +120,14 @@ def test_prepare_binds_once_compiled_even_after_eviction(mgr, rid, monkeypatch) 
     in between (no second compile); an uncompilable grammar answers ``error``."""
     gate = threading.Event()
     compiled: list[object] = []
-    real_compile = mgr.backend.compile
+    real_compiler = mgr.backend.compiler
 
     def gated(lowered):
         compiled.append(lowered)
         assert gate.wait(60)
-        return real_compile(lowered)
+        return real_compiler(lowered)
 
-    monkeypatch.setattr(mgr.backend, "compile", gated)
+    monkeypatch.setattr(mgr.backend, "compiler", gated)
     slow = spec({"type": "array", "items": {"type": "integer"}}, "slow")
     try:
         assert mgr.prepare(rid, slow).status == "pending" and mgr.state(rid) is None

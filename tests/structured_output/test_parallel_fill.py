@@ -69,7 +69,13 @@ def managers(smollm2_dir):
     """(parallel, serial): the same tokenizer and grammars, 4 executor threads against 1."""
     from transformers import AutoTokenizer
 
+    from atom.structured_output import grammar_lanes
+
     hf = AutoTokenizer.from_pretrained(smollm2_dir)
+    # One template per grammar, as on the serial side: the starved "fuel" grammar fails through
+    # the lexer its copies share, which a fresh lane would not (lanes: test_grammar_lanes.py).
+    lanes_off = pytest.MonkeyPatch()
+    lanes_off.setattr(grammar_lanes, "LANE_COMPILE_LIMIT_S", -1.0)
     made = [StructuredOutputManager(hf, vocab_size=len(hf), threads=t) for t in (4, 1)]
     for mgr in made:
         for key in SCHEMAS:
@@ -81,6 +87,7 @@ def managers(smollm2_dir):
     yield made
     for mgr in made:
         mgr.shutdown()
+    lanes_off.undo()
 
 
 @dataclass
