@@ -141,10 +141,16 @@ def test_cancel_mid_flight(tiny_llama_dir):
         assert _summary(outputs[rid]) == _summary(reference[rid])
 
 
-def test_structured_output_async_matches_sync(smollm2_dir):
+@pytest.mark.parametrize("inline_rows", [0, 4], ids=["grammar-thread", "inline"])
+def test_structured_output_async_matches_sync(smollm2_dir, monkeypatch, inline_rows):
+    """With the grammar work on the worker's grammar thread (every step) or on the engine thread
+    (small steps): the same answers as synchronous scheduling."""
     pytest.importorskip("llguidance")
     from atom.entrypoints.openai.protocol import parse_chat_response_format
+    from atom.structured_output import worker
     from atom.structured_output.spec import StructuredOutputSpec
+
+    monkeypatch.setattr(worker, "INLINE_ROWS", inline_rows)
 
     schema = {
         "type": "object",
