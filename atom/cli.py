@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any, get_args
 
-from atom.config import EngineConfig, ServerConfig, StructuredOutputWhitespace
+from atom.config import EngineConfig, ServerConfig, SpeculativeMethod, StructuredOutputWhitespace
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -69,6 +69,24 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="JSON whitespace allowed in constrained answers: none, one space, one space or a "
         "newline plus indentation, any run (default: %(default)s)",
     )
+    g.add_argument(
+        "--speculative-method",
+        choices=get_args(SpeculativeMethod),
+        default=None,
+        help="speculative decoding: drafts from n-gram lookup in the sequence or from a draft "
+        "model, verified by one target forward (schedules synchronously)",
+    )
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=d.num_speculative_tokens,
+        help="drafts per sequence and step",
+    )
+    g.add_argument(
+        "--speculative-model",
+        default=None,
+        help="the draft model's folder (--speculative-method draft; same tokenizer as the model)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -89,6 +107,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         structured_output_whitespace=args.structured_output_whitespace,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_model=args.speculative_model,
     )
 
 

@@ -10,6 +10,9 @@ from typing import Literal, get_args
 # it): compact = none, space = at most one space, indent = at most one space or one newline plus
 # up to 32 spaces, flexible = any run (llguidance's own). Measured: benchmarks/bench_whitespace.py
 StructuredOutputWhitespace = Literal["compact", "space", "indent", "flexible"]
+# Where speculative decoding's drafts come from (spec_decode/): n-gram lookup in the sequence
+# itself, or a smaller draft model sharing the target's tokenizer.
+SpeculativeMethod = Literal["ngram", "draft"]
 MAX_GRAMMAR_THREADS = 16
 
 
@@ -47,6 +50,12 @@ class EngineConfig:
     # Threads of llguidance's executor, which fills the mask rows of many requests at once
     # (structured_output/manager.py; measured: benchmarks/bench_grammar_step.py).
     structured_output_threads: int = field(default_factory=default_grammar_threads)
+    # Speculative decoding: up to `num_speculative_tokens` drafts per sequence and step, verified
+    # by one target forward (model_ops/rejection_sampler.py). It schedules synchronously: the
+    # next drafts need the tokens this step accepted.
+    speculative_method: SpeculativeMethod | None = None
+    num_speculative_tokens: int = 0
+    speculative_model: str | None = None  # the draft model's folder (speculative_method "draft")
 
     def __post_init__(self) -> None:
         if self.structured_output_whitespace not in get_args(StructuredOutputWhitespace):
@@ -54,6 +63,21 @@ class EngineConfig:
                 f"structured_output_whitespace must be one of "
                 f"{get_args(StructuredOutputWhitespace)}, not {self.structured_output_whitespace!r}"
             )
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        method = self.speculative_method
+        if method is None:
+            if self.num_speculative_tokens or self.speculative_model:
+                raise ValueError("num_speculative_tokens and speculative_model need a method")
+            return
+        if method not in get_args(SpeculativeMethod):
+            raise ValueError(f"speculative_method must be one of {get_args(SpeculativeMethod)}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("speculative decoding needs num_speculative_tokens >= 1")
+        if (method == "draft") != (self.speculative_model is not None):
+            raise ValueError("speculative_model is the draft model of speculative_method 'draft'")
+        self.async_scheduling = False  # drafts are proposed from the tokens just read
 
 
 @dataclass

@@ -20,5 +20,15 @@ def enable_relaxed_mtp() -> bool:
     return _flag("ATOM_ENABLE_RELAXED_MTP")
 
 
+def relaxed_mtp_top_n() -> int:
+    """Relaxed acceptance: a draft among its row's this many most likely tokens..."""
+    return int(os.environ.get("ATOM_RELAXED_MTP_TOP_N", "3"))
+
+
+def relaxed_mtp_delta() -> float:
+    """...whose probability is within this of the row's largest is accepted."""
+    return float(os.environ.get("ATOM_RELAXED_MTP_DELTA", "0.1"))
+
+
 def log_level() -> str:
     return os.environ.get("ATOM_LOG_LEVEL", "INFO").upper()

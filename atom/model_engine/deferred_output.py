@@ -11,11 +11,15 @@ uses them, so their memory is never reused under the copy. On CPU there is nothi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from atom.model_engine.output import TokenLogprob
 from atom.model_ops.sampler import Logprobs
+
+if TYPE_CHECKING:
+    from atom.model_ops.rejection_sampler import Verification
 
 
 @dataclass
@@ -26,6 +30,8 @@ class RunnerOutput:
     logprobs: dict[int, TokenLogprob]
     # Structured-output failures by sequence id: the request ends with finish_reason "error".
     errors: dict[int, str] = field(default_factory=dict)
+    # Speculative decoding: the tokens a verification step emitted after the first, in order.
+    more_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 class DeferredOutput:
@@ -96,3 +102,24 @@ def _copy_to_host(
         ready = torch.cuda.Event()
         ready.record(stream)
     return host, ready
+
+
+class VerifiedOutput:
+    """The output of a step that verified drafts (speculative decoding, synchronous scheduling):
+    per sequence the tokens `rejection_sample` emitted, read with one host copy in `result`."""
+
+    def __init__(self, seq_ids: list[int], verification: Verification, errors: dict[int, str]):
+        self.seq_ids = seq_ids
+        self.verification = verification
+        self.errors = errors
+
+    def result(self) -> RunnerOutput:
+        emitted, _ = self.verification.tolist()
+        out = RunnerOutput({}, {}, self.errors)
+        for seq_id, tokens in zip(self.seq_ids, emitted, strict=True):
+            if seq_id in self.errors:
+                continue
+            out.token_ids[seq_id] = tokens[0]
+            if len(tokens) > 1:
+                out.more_token_ids[seq_id] = tokens[1:]
+        return out

@@ -78,6 +78,9 @@ class EngineCore:
         self._pending: list[RequestOutput] = []  # produced outside a step (aborts)
         self._grammar_release: list[str] = []  # finished constrained requests, not yet released
         self._in_flight: ScheduledBatch | None = None  # submitted, output not read yet (async)
+        # Speculative decoding: drafts proposed, and accepted by a verification step.
+        self.num_proposed_drafts = 0
+        self.num_accepted_drafts = 0
         self._inputs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
 
@@ -117,6 +120,8 @@ class EngineCore:
                 self._in_flight = batch
         elif submitted:
             outputs += self._read(batch)
+            if self.config.speculative_method is not None:
+                outputs += self._propose(batch)
         if self._in_flight is not None and not self.scheduler.has_unfinished():
             # Every request ended: what is left in flight belongs to finished requests only.
             # Reading it now lets the engine report idle at once.
@@ -151,8 +156,9 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
             logger.exception("model step failed")
             return [self._fail(seq, repr(e)) for seq in batch.seqs if not seq.is_finished]
+        more = result.more_token_ids
         outputs = [
-            self._process(seq, token, result.logprobs.get(seq.seq_id))
+            self._process(seq, token, result.logprobs.get(seq.seq_id), more.get(seq.seq_id))
             for seq, token in self.scheduler.update(batch, result.token_ids)
         ]
         if result.errors:  # structured-output failures end only their own requests
@@ -161,6 +167,41 @@ class EngineCore:
                 if error is not None and not seq.is_finished:
                     outputs.append(self._fail(seq, error))
         return outputs
+
+    def _propose(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Speculative decoding: the next drafts of the batch's sequences that just sampled."""
+        seqs = [s for s, samples in zip(batch.seqs, batch.sampling, strict=True) if samples]
+        seqs = [s for s in seqs if not s.is_finished]
+        max_drafts = [self.config.num_speculative_tokens] * len(seqs)
+        if self.config.speculative_method == "draft":
+            seqs, max_drafts = self._reserve_draft_slots(seqs)
+        if not seqs:
+            return []
+        try:
+            drafts = self.executor.propose_drafts(seqs, max_drafts)
+        except Exception as e:  # noqa: BLE001 - fail these requests, keep serving
+            logger.exception("draft proposal failed")
+            return [self._fail(seq, repr(e)) for seq in seqs]
+        for seq in seqs:
+            seq.draft_token_ids = drafts.get(seq.seq_id, [])
+            self.num_proposed_drafts += len(seq.draft_token_ids)
+        return []
+
+    def _reserve_draft_slots(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """Blocks for the positions a draft model writes (`spec_decode/draft_model.py`): up to
+        its last draft but one where the cache has them, else up to its last known token (no
+        drafts: it only catches up); a sequence without even that sits this proposal out."""
+        k = self.config.num_speculative_tokens
+        kept, max_drafts = [], []
+        for seq in seqs:
+            known = seq.num_known_tokens
+            if self.scheduler.reserve(seq, known + k - 1):
+                kept.append(seq)
+                max_drafts.append(k)
+            elif self.scheduler.reserve(seq, known):
+                kept.append(seq)
+                max_drafts.append(0)
+        return kept, max_drafts
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         self.scheduler.finish(seq, "error")
@@ -209,9 +250,27 @@ class EngineCore:
 
     # ---- output processing ----
 
-    def _process(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        """Detokenize a sequence's new token and apply its stop conditions."""
+    def _process(
+        self,
+        seq: Sequence,
+        token: int,
+        logprob: TokenLogprob | None,
+        more: list[int] | None = None,
+    ) -> RequestOutput:
+        """Detokenize a sequence's new token (and, after a verification step, the `more` it
+        emitted, up to the first that stops it) and apply its stop conditions."""
         state = self.states[seq.request_id]
+        self._stop_check(seq, state, token)
+        if more:
+            for extra in more:
+                if seq.is_finished:
+                    break
+                self.scheduler.accept_draft(seq, extra)
+                self.num_accepted_drafts += 1
+                self._stop_check(seq, state, extra)
+        return self._output(state, [logprob] if logprob is not None else [])
+
+    def _stop_check(self, seq: Sequence, state: _RequestState, token: int) -> None:
         stop_str = state.detokenizer.add(token)
         params = seq.params
         if token in self.eos_token_ids and not params.ignore_eos:
@@ -222,7 +281,6 @@ class EngineCore:
             self.scheduler.finish(seq, "stop", stop_str)
         elif seq.num_known_tokens >= seq.max_len:
             self.scheduler.finish(seq, "length")
-        return self._output(state, [logprob] if logprob is not None else [])
 
     def _output(
         self, state: _RequestState, logprobs: list[TokenLogprob], error: str | None = None

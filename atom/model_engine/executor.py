@@ -11,6 +11,7 @@ from atom.config import EngineConfig
 from atom.model_engine.deferred_output import RunnerOutput
 from atom.model_engine.model_runner import ModelRunner
 from atom.model_engine.scheduler import ScheduledBatch
+from atom.model_engine.sequence import Sequence
 
 
 class Executor(ABC):
@@ -29,6 +30,11 @@ class Executor(ABC):
     def complete_submission(self) -> None:
         """Queue the sampling of the newest step if it waited for its grammar rows."""
         self.collective_rpc("complete_submission")
+
+    def propose_drafts(self, seqs: list[Sequence], max_drafts: list[int]) -> dict[int, list[int]]:
+        """Speculative decoding: next drafts by sequence id (rank 0's; every rank proposes the
+        same from the same tokens)."""
+        return self.collective_rpc("propose_drafts", seqs, max_drafts)[0]
 
     def take_output(self) -> RunnerOutput:
         """The oldest submitted step's output (rank 0's: every rank samples the same ids)."""

@@ -75,6 +75,8 @@ class LLMEngine:
         on every rank, and a grammar that cannot compile ends it with finish reason "error"."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        if params.logprobs is not None and self.config.speculative_method is not None:
+            raise ValueError("logprobs are not available with speculative decoding")
         vocab = self.hf_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, compress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +34,7 @@ import torch
 
 from atom.config import EngineConfig
 from atom.model_engine.cuda_graph import DecodeGraphs
-from atom.model_engine.deferred_output import DeferredOutput, RunnerOutput
+from atom.model_engine.deferred_output import DeferredOutput, RunnerOutput, VerifiedOutput
 from atom.model_engine.scheduler import GrammarUpdate, ScheduledBatch
 from atom.model_engine.sequence import PLACEHOLDER, Sequence
 from atom.model_engine.step_inputs import StepInputs, build_step_inputs
@@ -43,6 +43,7 @@ from atom.model_ops.attention import prepare_attention
 from atom.model_ops.context import AttentionContext, set_context
 from atom.model_ops.sampler import Sampler, SamplingTensors, compute_logprobs
 from atom.models.llama import head_dim_of
+from atom.spec_decode.speculator import Speculator
 
 if TYPE_CHECKING:
     from atom.structured_output.manager import AdmissionResult
@@ -61,6 +62,7 @@ class _Unsampled:
     raw_logprobs: torch.Tensor | None
     want: list[int | None]
     grammar_rows: Future | None = None
+    drafts: list[list[int]] | None = None  # per sequence, when the step verifies drafts
 
 
 def resolve_device(device: str) -> torch.device:
@@ -88,9 +90,13 @@ class ModelRunner:
         self.model = build_model(hf_config, model_path, self.dtype, self.device)
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
+        self.speculator: Speculator | None = None
+        if config.speculative_method:
+            vocab = self.model.lm_head.org_vocab_size
+            self.speculator = Speculator(config, self.dtype, self.device, vocab)
         self._allocate_kv_cache(hf_config)
         self.graphs = self._capture_graphs(hf_config)
-        self._submitted: deque[DeferredOutput] = deque()  # outputs not taken yet, in order
+        self._submitted: deque[DeferredOutput | VerifiedOutput] = deque()  # not taken yet
         self._sampled_in: dict[int, DeferredOutput] = {}  # seq id -> its latest sampling step
         self._unsampled: _Unsampled | None = None  # submitted, sampling waits for grammar rows
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -109,6 +115,8 @@ class ModelRunner:
         num_kv_heads, head_dim = attn.num_kv_heads, head_dim_of(hf_config)
         elem = torch.empty((), dtype=self.dtype).element_size()
         block_bytes = 2 * num_layers * self.block_size * num_kv_heads * head_dim * elem
+        if self.speculator is not None:  # a draft model's cache has as many blocks
+            block_bytes += self.speculator.block_bytes(self.block_size)
         budget = self.config.kv_cache_bytes
         if budget is None and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -123,6 +131,8 @@ class ModelRunner:
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.attn.v_cache = self.kv_cache[1, i]
+        if self.speculator is not None:
+            self.speculator.allocate_cache(self.num_blocks, self.block_size)
 
     def _capture_graphs(self, hf_config) -> DecodeGraphs | None:
         """Decode CUDA graphs over the allocated KV cache; none on CPU (no launch overhead worth
@@ -205,6 +215,8 @@ class ModelRunner:
         for seq_id in batch.finished_seq_ids:
             self.generators.pop(seq_id, None)
             self._sampled_in.pop(seq_id, None)
+        if self.speculator is not None and batch.finished_seq_ids:
+            self.speculator.release(batch.finished_seq_ids)
         if not batch.seqs:
             return DeferredOutput.empty()
         hidden, rows = self._forward(batch)
@@ -215,18 +227,25 @@ class ModelRunner:
         if logits is not None and any(k is not None for k in want):
             raw_logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
         step = _Unsampled(sample_seqs, logits, raw_logprobs, want)
+        if batch.has_drafts:
+            step.drafts = list(compress(batch.draft_token_ids, batch.sampling))
         if not batch.has_constrained:
             return self._sample(step, {})
         vocab = logits.shape[1] if logits is not None else 0
         step.grammar_rows = self.structured_output.start_step(
-            self._grammar_updates(batch), sample_seqs, vocab
+            self._grammar_updates(batch), sample_seqs, vocab, step.drafts
         )
         return step
 
-    def _sample(self, step: _Unsampled, errors: dict[int, str]) -> DeferredOutput:
-        """Queue the sampling of a step whose logits are masked (where constrained)."""
+    def _sample(self, step: _Unsampled, errors: dict[int, str]) -> DeferredOutput | VerifiedOutput:
+        """Queue the sampling (or, with drafts, the verification) of a step whose logits are
+        masked where constrained."""
         if step.logits is None:
             return DeferredOutput.empty()
+        if step.drafts is not None:
+            assert self.speculator is not None
+            sampling = self._sampling_tensors(step.seqs)
+            return self.speculator.verify(step.logits, step.seqs, step.drafts, sampling, errors)
         token_ids = self.sampler(step.logits, self._sampling_tensors(step.seqs))
         logprobs = None
         if step.raw_logprobs is not None:
@@ -262,6 +281,11 @@ class ModelRunner:
             return updates
 
         return resolve
+
+    def propose_drafts(self, seqs: list[Sequence], max_drafts: list[int]) -> dict[int, list[int]]:
+        """Speculative decoding: each sequence's drafts for its next step, by sequence id."""
+        assert self.speculator is not None
+        return self.speculator.propose(seqs, max_drafts)
 
     # ---- structured-output RPCs, answered by this rank's StructuredOutputWorker ---------------
 

@@ -49,6 +49,10 @@ class ScheduledBatch:
     # position of its first new token) and whether its last new token is sampled.
     num_computed_before: list[int] = field(default_factory=list)
     sampling: list[bool] = field(default_factory=list)
+    # Speculative decoding: per sequence, the drafts this step verifies (its last
+    # `len(draft_token_ids[i])` new tokens; `num_new_tokens` counts them); empty lists otherwise.
+    draft_token_ids: list[list[int]] = field(default_factory=list)
+    has_drafts: bool = False
 
     def samples(self, i: int) -> bool:
         """Does row i reach the end of its sequence (so a token is sampled)?"""
@@ -129,6 +133,8 @@ class Scheduler:
             n = len(seq.token_ids) - computed
             if n > budget:
                 n = budget
+            drafts = self._drafts(seq, n, budget)
+            n += len(drafts)
             if n > 1 or computed % block_size == 0:  # may need new blocks
                 while not bm.can_allocate(seq, computed + n):
                     preempted = True
@@ -139,8 +145,20 @@ class Scheduler:
                 bm.allocate(seq, computed + n)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
+            batch.draft_token_ids.append(drafts)
+            batch.has_drafts = batch.has_drafts or bool(drafts)
             budget -= n
         return budget, preempted
+
+    @staticmethod
+    def _drafts(seq: Sequence, n: int, budget: int) -> list[int]:
+        """The drafts a decode row verifies: as many as fit the token budget and can still be
+        emitted (a step emits the accepted drafts plus one token, within the length limit)."""
+        drafts = seq.draft_token_ids
+        if not drafts or n != 1:
+            return []
+        room = min(budget - 1, seq.max_len - len(seq.token_ids) - 1)
+        return drafts[:room] if room > 0 else []
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         """Then waiting ones in arrival order, skipping those whose grammar is not ready or
@@ -168,6 +186,7 @@ class Scheduler:
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
+            batch.draft_token_ids.append([])
             budget -= n
 
     def _advance(self, batch: ScheduledBatch) -> None:
@@ -177,7 +196,10 @@ class Scheduler:
         runs after this one on the device, which writes their K/V first."""
         commit, block_size = self.block_manager.commit, self.block_manager.block_size
         starts, sampling = batch.num_computed_before, batch.sampling
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        for seq, n, drafts in zip(
+            batch.seqs, batch.num_new_tokens, batch.draft_token_ids, strict=True
+        ):
+            n -= len(drafts)  # a draft counts as computed only once accepted (`accept_draft`)
             start = seq.num_computed_tokens
             samples = start + n == len(seq.token_ids)
             starts.append(start)
@@ -223,6 +245,23 @@ class Scheduler:
                 got_token.append((seq, token))
         return got_token
 
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for the first `num_tokens` positions of a running sequence, if the cache has
+        them free (a draft model writes its K/V at positions the next step will compute)."""
+        if not self.block_manager.can_allocate(seq, num_tokens):
+            return False
+        self.block_manager.allocate(seq, num_tokens)
+        return True
+
+    def accept_draft(self, seq: Sequence, token: int) -> None:
+        """One more token a verification step emitted after its first (an accepted draft, or
+        the token after the last accepted one): appended, and the token before it, which the
+        step's forward saw, now has valid K/V."""
+        seq.append_token(token)
+        seq.num_computed_tokens += 1
+        if seq.num_computed_tokens >= (seq.num_hashed_blocks + 1) * self.block_manager.block_size:
+            self.block_manager.commit(seq)
+
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """Terminal transition from any state; frees KV blocks. Idempotent."""
         if seq.is_finished:
@@ -250,6 +289,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> Sequence:
         self.block_manager.free_blocks(seq)
+        seq.draft_token_ids = []  # proposed for the cache it just lost
+        seq.num_preemptions += 1
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

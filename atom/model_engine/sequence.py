@@ -49,6 +49,10 @@ class Sequence:
         # Trailing entries of `token_ids` that are PLACEHOLDERs (at most two: the step whose
         # output is being read and the one just scheduled).
         self.num_placeholders = 0
+        # Speculative decoding: draft tokens proposed after its last step, verified by its next
+        # one (never part of `token_ids`: only the accepted ones are appended).
+        self.draft_token_ids: list[int] = []
+        self.num_preemptions = 0  # a draft model's K/V of it is lost with its blocks
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
 

@@ -35,7 +35,9 @@ class StepInputs:
     block_tables: torch.Tensor  # [B, width] int32, width = the batch's longest block table
     context_lens: torch.Tensor  # [B] int32 tokens in the cache after this step
     query_lens: list[int]  # new tokens of each real sequence
-    sample_rows: torch.Tensor  # [R] int64 row of each sequence's last token, where it samples
+    # [R] int64 row of each sampling sequence's last token (and, before it, of each of its
+    # drafts: a verification step scores every draft prefix), in sequence order
+    sample_rows: torch.Tensor
     # Rows whose input is the previous step's sampled token, not read by the host yet (their
     # `input_ids` entry is a placeholder), and the sequence each belongs to.
     placeholder_rows: list[int]
@@ -72,7 +74,7 @@ def build_step_inputs(
     rows = _decode_rows(batch, block_size) if decode else _chunk_rows(batch, block_size)
     pad = num_rows - len(seqs)
     zeros = [0] * pad
-    sample_rows = list(compress(rows.last_rows, batch.sampling))
+    sample_rows = _sample_rows(batch, rows.last_rows)
     longs = rows.ids + zeros + rows.positions + zeros + rows.slots + [-1] * pad + sample_rows
     n = len(rows.ids) + pad
     input_ids, positions, slots, sampled = _host(longs, np.int64, [n, n, n, len(sample_rows)], pin)
@@ -108,12 +110,25 @@ def _chunk_rows(batch: ScheduledBatch, block_size: int) -> _Rows:
     """Prefill chunks (and decode rows) of any length: a slice of tokens per sequence and one
     slot range per KV block."""
     rows = _Rows([], [], [], [r - 1 for r in accumulate(batch.num_new_tokens)])
-    for seq, n, start in zip(
-        batch.seqs, batch.num_new_tokens, batch.num_computed_before, strict=True
+    all_drafts = batch.draft_token_ids if batch.has_drafts else [[]] * len(batch.seqs)
+    for seq, n, start, drafts in zip(
+        batch.seqs, batch.num_new_tokens, batch.num_computed_before, all_drafts, strict=True
     ):
-        rows.ids += seq.token_ids[start : start + n]
+        rows.ids += seq.token_ids[start : start + n - len(drafts)]
+        rows.ids += drafts
         rows.positions += range(start, start + n)
         rows.slots += block_slots(seq.block_table, start, start + n, block_size)
+    return rows
+
+
+def _sample_rows(batch: ScheduledBatch, last_rows: Sequence[int]) -> list[int]:
+    """Rows whose logits are computed: each sampling sequence's last, after its drafts' rows."""
+    if not batch.has_drafts:
+        return list(compress(last_rows, batch.sampling))
+    rows: list[int] = []
+    for last, samples, drafts in zip(last_rows, batch.sampling, batch.draft_token_ids, strict=True):
+        if samples:
+            rows += range(last - len(drafts), last + 1)
     return rows
 
 

@@ -19,6 +19,10 @@ class DraftRequest:
     token_ids: Sequence[int]
     num_known: int
     max_drafts: int
+    # Where a draft model writes its K/V (the sequence's blocks, sized by the engine for the
+    # positions drafted), and how many times the sequence was preempted (its draft K/V is gone).
+    block_table: Sequence[int] = ()
+    generation: int = 0
 
 
 @dataclass

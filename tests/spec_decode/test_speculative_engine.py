@@ -1,0 +1,233 @@
+"""Speculative decoding in the real engine: greedy outputs identical with and without it (n-gram
+lookup and a draft model; constrained and unconstrained; through preemption), a draft model that
+is the target accepts nearly every draft, a reasoning end marker inside a draft switches the
+grammar on for the rows after it, and the refusals."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from atom.config import EngineConfig
+from atom.model_engine.llm_engine import LLMEngine
+from atom.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "structured_output"))
+
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # tiny Llama: K+V, 2 layers, 16 tokens, 2 heads, dim 16
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "items": {"type": "array", "items": {"type": "integer"}, "maxItems": 6},
+    },
+    "required": ["name", "items"],
+    "additionalProperties": False,
+}
+
+
+def _engine(model_dir, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **kw))
+
+
+def _run(engine: LLMEngine, requests: dict) -> dict:
+    """Every request to completion: (output ids, text, finish reason, error) by request id."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (
+                    out.output_token_ids,
+                    out.text,
+                    out.finish_reason,
+                    out.error,
+                )
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    return done
+
+
+def _prompts(n: int) -> list[list[int]]:
+    """Prompts that repeat themselves, so n-gram lookup finds drafts."""
+    return [[(500 + 31 * i + j % (5 + i)) % 40000 for j in range(40 + 9 * i)] for i in range(n)]
+
+
+def _drafted(engine: LLMEngine) -> tuple[int, int]:
+    core = engine.cores[0]
+    return core.num_proposed_drafts, core.num_accepted_drafts
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory, save_tiny_llama, tiny_llama_dir) -> Path:
+    """Another random-weight tiny Llama with the same tokenizer: a draft that is often wrong."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-draft")
+    torch.manual_seed(1)
+    save_tiny_llama(folder, vocab_size=49152, max_positions=2048, bos=1, eos=2)
+    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft-self", "draft-other"])
+def test_greedy_outputs_are_the_same_as_without_speculation(tiny_llama_dir, draft_dir, method):
+    """Through preemption (a 14-block cache for 6 requests) and chunked prefill."""
+    spec = {"speculative_method": "ngram", "num_speculative_tokens": 4}
+    if method != "ngram":
+        model = tiny_llama_dir if method == "draft-self" else draft_dir
+        spec = {"speculative_method": "draft", "num_speculative_tokens": 3}
+        spec["speculative_model"] = str(model)
+    common = dict(max_num_seqs=6, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    requests = {f"r{i}": (p, params) for i, p in enumerate(_prompts(6))}
+    plain = _engine(tiny_llama_dir, kv_cache_bytes=14 * BLOCK_BYTES, **common)
+    # A draft model's cache has as many blocks as the target's, from the same bytes.
+    cache = (14 if method == "ngram" else 28) * BLOCK_BYTES
+    speculative = _engine(tiny_llama_dir, kv_cache_bytes=cache, **common, **spec)
+    assert speculative.cores[0].block_manager.num_total_blocks == 14
+    assert speculative.config.async_scheduling is False
+    want, got = _run(plain, requests), _run(speculative, requests)
+    assert got == want
+    assert speculative.cores[0].scheduler.num_preemptions > 0
+    proposed, accepted = _drafted(speculative)
+    assert proposed > 0
+    if method == "draft-self":  # the draft is the target: its greedy drafts are the target's
+        assert accepted >= 0.9 * proposed, (accepted, proposed)
+
+
+def test_constrained_and_plain_requests_match_with_ngram_drafts(smollm2_dir):
+    from test_engine_integration import spec_of
+
+    results, drafted = {}, {}
+    for name, spec in (("plain", {}), ("ngram", {"speculative_method": "ngram"})):
+        if spec:
+            spec["num_speculative_tokens"] = 4
+        engine = _engine(smollm2_dir, max_model_len=512, **spec)
+        constraint = spec_of(engine, SCHEMA)
+        requests = {}
+        for n in (3, 5):
+            messages = [{"role": "user", "content": f"JSON with a name and the numbers 1 to {n}."}]
+            prompt = list(
+                engine.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+            constrained = SamplingParams(temperature=0, max_tokens=60, structured_output=constraint)
+            requests[f"json-{n}"] = (prompt, constrained)
+            requests[f"free-{n}"] = (prompt, SamplingParams(temperature=0, max_tokens=24))
+        results[name] = _run(engine, requests)
+        drafted[name] = _drafted(engine)
+        assert engine.structured_output_stats()["live_grammar_states"] == 0
+        engine.shutdown()
+    assert results["ngram"] == results["plain"]
+    assert drafted["ngram"][1] > 0  # some drafts were accepted, constrained rows among them
+    for n in (3, 5):
+        _, text, finish, error = results["ngram"][f"json-{n}"]
+        assert finish == "stop" and error is None and text.startswith("{")
+
+
+def test_seeded_sampling_with_drafts_is_reproducible(tiny_llama_dir):
+    spec = {"speculative_method": "ngram", "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
+    requests = {f"r{i}": (p, params) for i, p in enumerate(_prompts(3))}
+    first = _run(_engine(tiny_llama_dir, **spec), requests)
+    again = _run(_engine(tiny_llama_dir, **spec), requests)
+    assert first == again
+
+
+def test_logprobs_are_refused_with_speculation(tiny_llama_dir):
+    engine = _engine(tiny_llama_dir, speculative_method="ngram", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="logprobs"):
+        engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4, logprobs=1))
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"speculative_method": "ngram"},  # no draft count
+        {"num_speculative_tokens": 2},  # no method
+        {"speculative_method": "draft", "num_speculative_tokens": 2},  # no draft model
+        {"speculative_method": "ngram", "num_speculative_tokens": 2, "speculative_model": "x"},
+    ],
+)
+def test_incomplete_settings_are_refused(settings):
+    with pytest.raises(ValueError, match="speculative"):
+        EngineConfig(**settings)
+
+
+# ---- a reasoning end marker inside a draft ------------------------------------------------------
+
+END_THINK = 128822  # "</think>" as one token of the DeepSeek tokenizer
+
+
+class ScriptModel(torch.nn.Module):
+    """Stands in for the model: at every position it predicts the next token of `script` (the
+    output it writes, whatever it is fed); the hidden state is the position."""
+
+    def __init__(self, lm_head, script: list[int], prompt_len: int) -> None:
+        super().__init__()
+        self.lm_head, self.script, self.prompt_len = lm_head, script, prompt_len
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return positions.to(torch.float32).unsqueeze(1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(hidden.size(0), self.lm_head.org_vocab_size)
+        for row, position in enumerate(hidden.squeeze(1).long().tolist()):
+            at = position + 1 - self.prompt_len
+            logits[row, self.script[at] if at < len(self.script) else 1] = 10.0
+        return logits
+
+
+def test_end_marker_inside_a_draft(deepseek_tiny_dir):
+    """The model thinks, closes with `</think>`, then wants to write `hello` before its JSON; the
+    prompt holds the same text, so n-gram drafts carry the marker with those tokens after it.
+    The grammar must switch on for the rows after the marker inside a draft: `hello` is refused
+    there as it is without speculation, and the two runs write the same tokens."""
+    from test_engine_integration import spec_of
+
+    from atom.entrypoints.reasoning import InlineThinkDialect, split_reasoning
+    from atom.structured_output.answer import validate_answer
+
+    dialect = InlineThinkDialect()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    outputs, drafts_seen = {}, {}
+    for name, spec in (("plain", {}), ("ngram", {"speculative_method": "ngram"})):
+        if spec:
+            spec["num_speculative_tokens"] = 6
+        engine = _engine(deepseek_tiny_dir, max_model_len=512, **spec)
+        tok = engine.tokenizer
+        thought = tok.encode("Let me think about it", add_special_tokens=False)
+        answer = tok.encode('hello {"a": 42}', add_special_tokens=False)
+        script = thought + [END_THINK] + answer + [1]
+        text = "<｜User｜>Say it.<｜Assistant｜><think>"
+        prompt = tok.encode(text, add_special_tokens=False)
+        prompt = script[:-1] + prompt + thought[:2]  # the answer seen once; the output restarts
+        runner = engine.executor.workers[0]
+        runner.model = ScriptModel(runner.model.lm_head, script[2:], len(prompt))
+        constraint = spec_of(engine, schema, end_marker=dialect.end_marker.encode())
+        schedule, seen = engine.cores[0].scheduler.schedule, []
+
+        def recording(schedule=schedule, seen=seen):
+            batch = schedule()
+            seen.extend(d for d in batch.draft_token_ids if END_THINK in d[:-1])
+            return batch
+
+        engine.cores[0].scheduler.schedule = recording
+        params = SamplingParams(temperature=0, max_tokens=40, structured_output=constraint)
+        outputs[name] = _run(engine, {"r": (prompt, params)})["r"]
+        drafts_seen[name] = list(seen)
+        engine.shutdown()
+    assert drafts_seen["ngram"], "no draft had the marker with tokens after it"
+    assert outputs["ngram"] == outputs["plain"]
+    ids, text, finish, error = outputs["ngram"]
+    assert error is None and END_THINK in ids
+    _, answer = split_reasoning(dialect, "<think>", text)
+    assert "hello" not in answer and answer.lstrip().startswith("{")  # the grammar was on
+    if finish == "stop":
+        validate_answer(constraint.constraint, answer)
