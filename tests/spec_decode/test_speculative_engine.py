@@ -64,12 +64,25 @@ def _drafted(engine: LLMEngine) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory, save_tiny_llama, tiny_llama_dir) -> Path:
-    """Another random-weight tiny Llama with the same tokenizer: a draft that is often wrong."""
+    """The tiny Llama's shape and tokenizer with an untied random LM head: a draft that is
+    mostly wrong (a random model with tied embeddings tends to repeat its input token, as the
+    target does, which would make every draft right)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
     folder = tmp_path_factory.mktemp("tiny-draft")
-    torch.manual_seed(1)
     save_tiny_llama(folder, vocab_size=49152, max_positions=2048, bos=1, eos=2)
+    (weights,) = folder.glob("*.safetensors")
+    tensors = load_file(weights)
+    embed = tensors["model.embed_tokens.weight"]
+    generator = torch.Generator().manual_seed(1)
+    tensors["lm_head.weight"] = torch.randn(embed.shape, generator=generator) * embed.std()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (folder / "config.json").write_text(json.dumps(config))
     AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(folder)
     return folder
 
@@ -231,3 +244,34 @@ def test_end_marker_inside_a_draft(deepseek_tiny_dir):
     assert "hello" not in answer and answer.lstrip().startswith("{")  # the grammar was on
     if finish == "stop":
         validate_answer(constraint.constraint, answer)
+
+
+def test_relaxed_acceptance_accepts_more_and_refuses_constraints(
+    tiny_llama_dir, draft_dir, monkeypatch
+):
+    """ATOM_ENABLE_RELAXED_MTP=1: unconstrained rows also accept drafts near the top of their
+    row (here any draft of the vocabulary at any probability, so it shows on random models):
+    nearly every draft of a draft model that is mostly wrong is accepted, where exact greedy
+    verification accepts few; constrained requests are refused on the worker."""
+    from test_engine_integration import admit
+
+    from atom.entrypoints.openai.protocol import parse_chat_response_format
+    from atom.structured_output.spec import StructuredOutputSpec
+
+    spec = {"speculative_method": "draft", "num_speculative_tokens": 4}
+    spec["speculative_model"] = str(draft_dir)  # another random model: it is mostly wrong
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    requests = {f"r{i}": (p, params) for i, p in enumerate(_prompts(4))}
+    strict = _engine(tiny_llama_dir, **spec)
+    _run(strict, requests)
+    monkeypatch.setenv("ATOM_ENABLE_RELAXED_MTP", "1")
+    monkeypatch.setenv("ATOM_RELAXED_MTP_TOP_N", "1000000")
+    monkeypatch.setenv("ATOM_RELAXED_MTP_DELTA", "1.0")
+    relaxed = _engine(tiny_llama_dir, **spec)
+    _run(relaxed, requests)
+    proposed, accepted = _drafted(relaxed)
+    assert accepted > _drafted(strict)[1] and accepted >= 0.8 * proposed  # the last steps cap
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}
+    constraint = StructuredOutputSpec.of(parse_chat_response_format(fmt), None)
+    answer = admit(relaxed, constraint)
+    assert answer["status"] == "error" and "relaxed MTP" in answer["message"]
