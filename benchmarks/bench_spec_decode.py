@@ -59,7 +59,22 @@ def make_engine(args: argparse.Namespace, setting: str) -> Any:
     if setting == "draft":
         spec["speculative_model"] = args.draft_model or args.model
     kw = dict(model=args.model, device=args.device, max_model_len=1024, async_scheduling=False)
+    if args.device == "cuda":  # three engines share one GPU
+        kw["kv_cache_bytes"] = 2 << 30
     return LLMEngine(EngineConfig(**kw, **spec))
+
+
+def prompt_ids(tokenizer: Any, question: str) -> list[int]:
+    """The question as a chat turn, or as plain text where the tokenizer has no chat template
+    (the random-weight GPU model)."""
+    if not tokenizer.chat_template:
+        return tokenizer.encode(question)
+    turn = [{"role": "user", "content": question}]
+    return list(
+        tokenizer.apply_chat_template(
+            turn, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
 
 
 def requests_for(engine: Any, args: argparse.Namespace) -> dict[str, tuple]:
@@ -73,14 +88,7 @@ def requests_for(engine: Any, args: argparse.Namespace) -> dict[str, tuple]:
 
     out = {}
     for i, (question, shape) in enumerate(QUESTIONS):
-        prompt = list(
-            engine.tokenizer.apply_chat_template(
-                [{"role": "user", "content": question}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-        )
+        prompt = prompt_ids(engine.tokenizer, question)
         out[f"free-{i}"] = (prompt, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
         if shape is not None:
             schema = SCHEMAS[shape["type"]]
@@ -162,17 +170,17 @@ def summarize(raw: dict[str, dict[str, list[dict]]]) -> dict:
 
 def print_table(rows: dict) -> None:
     print(
-        f"{'setting/kind':<14}{'TPOT ms':>9}{'tok/step':>10}{'accept':>8}{'grammar ms':>12}  same"
+        f"{'setting/kind':<14}{'TPOT ms':>9}{'batch tok/step':>16}{'accept':>8}{'grammar ms':>12}  same"
     )
     for name, r in rows.items():
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         print(
-            f"{name:<14}{r['tpot_ms']:>9.1f}{r['tokens_per_step']:>10.2f}{acc:>8}"
+            f"{name:<14}{r['tpot_ms']:>9.1f}{r['tokens_per_step']:>16.2f}{acc:>8}"
             f"{r['grammar_ms_per_step']:>12.2f}  {r['same_tokens_as_plain']}"
         )
 
 
-def plot(rows: dict, path: Path) -> None:
+def plot(rows: dict, path: Path, device: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,10 +191,10 @@ def plot(rows: dict, path: Path) -> None:
     axes[0].bar(names, [rows[n]["tpot_ms"] for n in names], color="tab:blue")
     axes[0].set_ylabel("TPOT (ms, median)")
     axes[1].bar(names, [rows[n]["tokens_per_step"] for n in names], color="tab:green")
-    axes[1].set_ylabel("output tokens per step")
+    axes[1].set_ylabel("output tokens per step (whole batch)")
     for ax in axes:
         ax.tick_params(axis="x", rotation=45)
-    fig.suptitle("speculative decoding, greedy (CPU)", fontsize=10)
+    fig.suptitle(f"speculative decoding, greedy ({device})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -201,6 +209,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--tag", default="", help="suffix of the output files")
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.max_tokens = 1, 48
@@ -227,10 +236,10 @@ def main() -> None:
     rows = summarize(raw)
     print_table(rows)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "bench_spec_decode.json"
+    path = args.out / f"bench_spec_decode{args.tag}.json"
     meta = {"command": " ".join(sys.argv), "model": args.model, "k": args.k, "device": args.device}
     path.write_text(json.dumps({"meta": meta, "rows": rows, "raw": raw}, indent=1))
-    plot(rows, path.with_suffix(".png"))
+    plot(rows, path.with_suffix(".png"), args.device)
     print(f"wrote {path} and {path.with_suffix('.png')}")
     for engine in engines.values():
         engine.shutdown()

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The H200 run behind the committed GPU results: one call of the device tool, carrying .whl
 # (this repo's Python dependencies as wheels) and .gpu_assets (the SmolLM2 tokenizer for the GPU
-# tests). Writes everything under $OUT/gpu (a tarball: the tool brings back few files).
-#   bash benchmarks/gpu_suite.sh      (about 10 minutes: every step has a time limit)
+# tests). Writes everything under $OUT/gpu.tgz (a tarball: the tool brings back few files).
+# Two parts, one device call each (a call runs at most 10 minutes; every step has a limit):
+#   bash benchmarks/gpu_suite.sh bench    (benchmarks, about 8 minutes)
+#   bash benchmarks/gpu_suite.sh check    (GPU tests and compute-sanitizer, about 6 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -20,13 +22,22 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAM
     grep -v "it/s\]" $out/$name.log | tail -n 30 >>$out/summary.log
     pack
 }
-step structured 170 python3 benchmarks/bench_structured_serving.py --random-llama-1b \
-    --device cuda --out $out
-step engine 110 python3 benchmarks/bench_engine.py --device cuda --random-llama-1b --out $out
-step profile 90 python3 benchmarks/profile_step.py --random-llama-1b --device cuda \
-    --batch-sizes 1 16 64 256 --schemas free-string mostly-forbidden --steps 16 \
-    --profile-steps 3 --out $out
-step pytest_gpu 130 python3 -m pytest -q -m gpu tests
-step memcheck 90 compute-sanitizer --tool memcheck --print-limit 20 \
-    python3 benchmarks/sanitize_engine.py
+bench() {
+    step structured 170 python3 benchmarks/bench_structured_serving.py --random-llama-1b \
+        --device cuda --out $out
+    step engine 130 python3 benchmarks/bench_engine.py --device cuda --random-llama-1b --out $out
+    step spec_decode 150 python3 benchmarks/bench_spec_decode.py --device cuda --tag _cuda \
+        --model /tmp/atom-random-llama-1b-129k --out $out
+}
+check() {
+    step profile 90 python3 benchmarks/profile_step.py --random-llama-1b --device cuda \
+        --batch-sizes 1 16 64 256 --schemas free-string mostly-forbidden --steps 16 \
+        --profile-steps 3 --out $out
+    step pytest_gpu 150 python3 -m pytest -q -m gpu tests
+    step memcheck 100 compute-sanitizer --tool memcheck --print-limit 20 \
+        python3 benchmarks/sanitize_engine.py
+    step racecheck 100 compute-sanitizer --tool racecheck --print-limit 20 \
+        python3 benchmarks/sanitize_engine.py
+}
+"${1:?bench or check}"
 tail -n 200 $out/summary.log
