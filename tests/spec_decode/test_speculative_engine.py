@@ -29,8 +29,8 @@ SCHEMA = {
 }
 
 
-def _engine(model_dir, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **kw))
+def _engine(model_dir, device: str = "cpu", **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype="float32", **kw))
 
 
 def _run(engine: LLMEngine, requests: dict) -> dict:
@@ -111,6 +111,31 @@ def test_greedy_outputs_are_the_same_as_without_speculation(tiny_llama_dir, draf
     assert proposed > 0
     if method == "draft-self":  # the draft is the target: its greedy drafts are the target's
         assert accepted >= 0.9 * proposed, (accepted, proposed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["ngram", "draft-self"])
+def test_greedy_outputs_are_the_same_as_without_speculation_on_cuda(tiny_llama_dir, method):
+    """On CUDA (float32, so that near-ties do not flip between the decode kernel and the
+    verification chunk's kernel): the plain engine decodes in CUDA graphs, the speculative one
+    verifies drafts eagerly; the greedy tokens are the same."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    spec = {"speculative_method": "ngram", "num_speculative_tokens": 4}
+    if method == "draft-self":
+        spec = {"speculative_method": "draft", "num_speculative_tokens": 3}
+        spec["speculative_model"] = str(tiny_llama_dir)
+    common = dict(max_num_seqs=8, max_model_len=512, kv_cache_bytes=64 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    requests = {f"r{i}": (p, params) for i, p in enumerate(_prompts(6))}
+    plain = _engine(tiny_llama_dir, "cuda", **common)
+    speculative = _engine(tiny_llama_dir, "cuda", **common, **spec)
+    want, got = _run(plain, requests), _run(speculative, requests)
+    assert got == want
+    proposed, accepted = _drafted(speculative)
+    assert proposed > 0 and (method == "ngram" or accepted >= 0.9 * proposed), (proposed, accepted)
+    plain.shutdown()
+    speculative.shutdown()
 
 
 def test_constrained_and_plain_requests_match_with_ngram_drafts(smollm2_dir):
