@@ -9,6 +9,12 @@ padding rows of `StepInputs`; they touch nothing and their outputs are never rea
 
 The graph ends at the hidden states: the LM head runs outside on the sampled rows only (as in
 eager mode), and so do the grammar mask and the sampler, which depend on the host.
+
+With speculative decoding, a second set (`query_len` = 1 + drafts per step) holds verification
+steps: each sequence scores its last token and up to `query_len - 1` drafts, its rows packed one
+after the other (the varlen kernel reads each sequence's row range from `cu_seqlens_q`, a
+buffer like the others). The rows past the step's tokens and the sequences past its batch are
+padding: no rows (an empty range), no KV writes (slot -1), never read.
 """
 
 from __future__ import annotations
@@ -30,19 +36,28 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """The captured decode forwards of one model and KV cache, and their static buffers."""
+    """The captured forwards of one model and KV cache for steps of up to `query_len` tokens a
+    sequence, and their static buffers."""
 
-    def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks: int, device: torch.device):
+    def __init__(
+        self,
+        model: nn.Module,
+        max_num_seqs: int,
+        max_blocks: int,
+        device: torch.device,
+        query_len: int = 1,
+    ):
         self.model = model
+        self.query_len = query_len
         self.sizes = graph_batch_sizes(max_num_seqs)
-        n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        n, t = self.sizes[-1], self.sizes[-1] * query_len
+        self.input_ids = torch.zeros(t, dtype=torch.long, device=device)
+        self.positions = torch.zeros(t, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((t,), -1, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.query_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.query_lens = torch.full((n,), query_len, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(0, t + 1, query_len, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # hidden states [size, hidden], graph-owned
 
@@ -71,6 +86,27 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
+    def replay_packed(
+        self, step: StepInputs, input_ids: torch.Tensor, cu_seqlens_q: torch.Tensor, size: int
+    ) -> torch.Tensor:
+        """Replay a verification step (unpadded `step`, at most `query_len` tokens a sequence,
+        its row offsets `cu_seqlens_q` on the device) in the graph of `size` sequences; returns
+        the hidden states of its rows, packed as in the step. Padding: the sequences past the batch get an empty row range and no context,
+        the rows past the step's tokens slot -1."""
+        num_seqs, width = step.block_tables.shape
+        tokens = input_ids.size(0)
+        self.slot_mapping.fill_(-1)
+        self.input_ids[:tokens].copy_(input_ids, non_blocking=True)
+        self.positions[:tokens].copy_(step.positions, non_blocking=True)
+        self.slot_mapping[:tokens].copy_(step.slot_mapping, non_blocking=True)
+        self.context_lens[:num_seqs].copy_(step.context_lens, non_blocking=True)
+        self.context_lens[num_seqs:size].zero_()
+        self.block_tables[:num_seqs, :width].copy_(step.block_tables, non_blocking=True)
+        self.cu_seqlens_q[: num_seqs + 1].copy_(cu_seqlens_q)
+        self.cu_seqlens_q[num_seqs + 1 : size + 1].fill_(tokens)
+        self.graphs[size].replay()
+        return self.outputs[size][:tokens]
+
     def replay(self, step: StepInputs, input_ids: torch.Tensor) -> torch.Tensor:
         """Copy a decode step padded to a captured size into the buffers and replay; returns
         the hidden states of all its rows (valid until the next replay). `input_ids` are the
@@ -78,12 +114,26 @@ class DecodeGraphs:
 
         Block-table columns past the step's width keep older ids: a row's kernel reads only the
         blocks its context length covers, which all lie within the width."""
-        size, width = step.block_tables.shape
+        return self.replay_tensors(
+            input_ids, step.positions, step.slot_mapping, step.context_lens, step.block_tables
+        )
+
+    def replay_tensors(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> torch.Tensor:
+        """`replay` from the step's tensors, one row a sequence padded to a captured size (the
+        draft model's decode steps have no `StepInputs`)."""
+        size, width = block_tables.shape
         self.input_ids[:size].copy_(input_ids, non_blocking=True)
-        self.positions[:size].copy_(step.positions, non_blocking=True)
-        self.slot_mapping[:size].copy_(step.slot_mapping, non_blocking=True)
-        self.context_lens[:size].copy_(step.context_lens, non_blocking=True)
-        self.block_tables[:size, :width].copy_(step.block_tables, non_blocking=True)
+        self.positions[:size].copy_(positions, non_blocking=True)
+        self.slot_mapping[:size].copy_(slot_mapping, non_blocking=True)
+        self.context_lens[:size].copy_(context_lens, non_blocking=True)
+        self.block_tables[:size, :width].copy_(block_tables, non_blocking=True)
         self.graphs[size].replay()
         return self.outputs[size]
 
@@ -94,8 +144,9 @@ class DecodeGraphs:
             context_lens=self.context_lens[:size],
             query_lens=self.query_lens[:size],
             cu_seqlens_q=self.cu_seqlens_q[: size + 1],
-            max_query_len=1,
+            max_query_len=self.query_len,
         )
 
     def _forward(self, size: int) -> torch.Tensor:
-        return self.model(self.input_ids[:size], self.positions[:size])
+        tokens = size * self.query_len
+        return self.model(self.input_ids[:tokens], self.positions[:tokens])

@@ -96,6 +96,7 @@ class ModelRunner:
             self.speculator = Speculator(config, self.dtype, self.device, vocab)
         self._allocate_kv_cache(hf_config)
         self.graphs = self._capture_graphs(hf_config)
+        self.verify_graphs = self._capture_graphs(hf_config, 1 + config.num_speculative_tokens)
         self._submitted: deque[DeferredOutput | VerifiedOutput] = deque()  # not taken yet
         self._sampled_in: dict[int, DeferredOutput] = {}  # seq id -> its latest sampling step
         self._unsampled: _Unsampled | None = None  # submitted, sampling waits for grammar rows
@@ -134,17 +135,23 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.allocate_cache(self.num_blocks, self.block_size)
 
-    def _capture_graphs(self, hf_config) -> DecodeGraphs | None:
-        """Decode CUDA graphs over the allocated KV cache; none on CPU (no launch overhead worth
-        it) or with `enforce_eager`. Block tables are as wide as `max_model_len` needs, which
-        the engine later caps to the same value (the checkpoint's context or the cache)."""
+    def _capture_graphs(self, hf_config, query_len: int = 1) -> DecodeGraphs | None:
+        """Decode CUDA graphs (`query_len` 1) or verification graphs (1 + drafts, with
+        speculative decoding only) over the allocated KV cache; none on CPU (no launch overhead
+        worth it) or with `enforce_eager`. Block tables are as wide as `max_model_len` needs,
+        which the engine later caps to the same value (the checkpoint's context or the cache)."""
         if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if query_len > 1 and self.speculator is None:
             return None
         capacity = self.num_blocks * self.block_size
         max_len = self.config.max_model_len or min(hf_config.max_position_embeddings, capacity)
         max_blocks = -(-max_len // self.block_size)
-        graphs = DecodeGraphs(self.model, self.config.max_num_seqs, max_blocks, self.device)
+        max_num_seqs = self.config.max_num_seqs
+        graphs = DecodeGraphs(self.model, max_num_seqs, max_blocks, self.device, query_len)
         graphs.capture()
+        if query_len > 1 and self.speculator is not None:  # the draft model's decode steps
+            self.speculator.capture_graphs(max_num_seqs, max_blocks)
         return graphs
 
     def kv_cache_info(self) -> dict:
@@ -319,6 +326,7 @@ class ModelRunner:
         size = None
         if self.graphs is not None and max(batch.num_new_tokens) == 1:
             size = self.graphs.padded_size(n)
+        verify = self._verify_size(batch)
         pin = self.device.type == "cuda"
         step = build_step_inputs(batch, self.block_size, size or n, pin)
         rows = step.sample_rows.to(self.device, non_blocking=True)
@@ -326,7 +334,22 @@ class ModelRunner:
         self._fill_placeholders(input_ids, step)
         if size is not None:
             return self.graphs.replay(step, input_ids), rows
+        if verify is not None:
+            cu_seqlens_q = self._to_device(
+                list(accumulate(step.query_lens, initial=0)), torch.int32
+            )
+            return self.verify_graphs.replay_packed(step, input_ids, cu_seqlens_q, verify), rows
         return self._run_eager(step, input_ids), rows
+
+    def _verify_size(self, batch: ScheduledBatch) -> int | None:
+        """The verification graph that replays `batch`, if it is one: every sequence decodes
+        its last token and its drafts (no prefill chunk in the step)."""
+        if self.verify_graphs is None or not batch.has_drafts:
+            return None
+        for n, drafts in zip(batch.num_new_tokens, batch.draft_token_ids, strict=True):
+            if n != 1 + len(drafts):
+                return None
+        return self.verify_graphs.padded_size(len(batch.seqs))
 
     def _fill_placeholders(self, input_ids: torch.Tensor, step: StepInputs) -> None:
         """Inputs the host has not read yet: each is copied on the device from the step that

@@ -12,6 +12,11 @@ as valid only the positions whose drafts match the tokens that were emitted ther
 draft model again from the first that does not. A preempted sequence (its blocks were given
 back) starts over. The engine gives a sequence blocks for the positions drafts are written at
 (`needs_slots`) before it asks for a proposal.
+
+On CUDA the k - 1 single-token steps replay the draft model's own decode graphs
+(`capture_graphs`): every request of the proposal takes each step (a request past its
+`max_drafts` is a padding row: no context, no K/V write), each step's input is the previous
+step's greedy token on the device, and the host reads the drafts once, at the end.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from atom.model_engine.cuda_graph import DecodeGraphs
 from atom.model_loader.weights import build_model, load_hf_config
 from atom.model_ops.attention import prepare_attention
 from atom.model_ops.context import AttentionContext, set_context
@@ -57,6 +63,7 @@ class DraftModelProposer:
         self.dtype, self.device = dtype, device
         self.model = build_model(self.hf_config, Path(path), dtype, device)
         self.block_size = 0
+        self.graphs: DecodeGraphs | None = None
         self._seen: dict[int, _Drafted] = {}
 
     def block_bytes(self, block_size: int) -> int:
@@ -76,6 +83,11 @@ class DraftModelProposer:
             layer.self_attn.attn.v_cache = self.kv_cache[1, i]
         self.block_size = block_size
 
+    def capture_graphs(self, max_num_seqs: int, max_blocks: int) -> None:
+        """Decode graphs of the draft model over its cache (after `allocate_cache`, CUDA only)."""
+        self.graphs = DecodeGraphs(self.model, max_num_seqs, max_blocks, self.device)
+        self.graphs.capture()
+
     def release(self, seq_id: int) -> None:
         self._seen.pop(seq_id, None)
 
@@ -85,7 +97,21 @@ class DraftModelProposer:
         if not requests:
             return Proposal([])
         chunks = [self._unseen(r) for r in requests]
-        tokens = self._forward(requests, chunks)
+        if self.graphs is not None:
+            drafts = self._propose_in_graphs(requests, chunks, self.graphs)
+        else:
+            drafts = self._propose_eagerly(requests, chunks)
+        for r, d in zip(requests, drafts, strict=True):
+            seen = self._seen[r.seq_id]
+            seen.valid = r.num_known + max(0, len(d) - 1)
+            seen.start, seen.drafts = r.num_known, tuple(d)
+        return Proposal(drafts)
+
+    def _propose_eagerly(
+        self, requests: list[DraftRequest], chunks: list[tuple[int, list[int]]]
+    ) -> list[list[int]]:
+        """Each step over the requests that want another draft, read back after each step."""
+        tokens = self._forward(requests, chunks).tolist()
         drafts: list[list[int]] = [[] for _ in requests]
         for step in range(max(r.max_drafts for r in requests)):
             live = [i for i, r in enumerate(requests) if r.max_drafts > step]
@@ -97,13 +123,55 @@ class DraftModelProposer:
             fed = self._forward(
                 [requests[i] for i in live],
                 [(requests[i].num_known + step, [tokens[i]]) for i in live],
-            )
+            ).tolist()
             tokens = dict(zip(live, fed, strict=True))
-        for r, d in zip(requests, drafts, strict=True):
-            seen = self._seen[r.seq_id]
-            seen.valid = r.num_known + max(0, len(d) - 1)
-            seen.start, seen.drafts = r.num_known, tuple(d)
-        return Proposal(drafts)
+        return drafts
+
+    def _propose_in_graphs(
+        self,
+        requests: list[DraftRequest],
+        chunks: list[tuple[int, list[int]]],
+        graphs: DecodeGraphs,
+    ) -> list[list[int]]:
+        """The first step eagerly (chunks of any length), the others in `graphs`."""
+        steps = max(r.max_drafts for r in requests)
+        size = graphs.padded_size(len(requests))
+        assert size is not None, "a proposal never has more requests than max_num_seqs"
+        tokens = self._forward(requests, chunks)
+        pad = size - len(requests)
+        width = max(len(r.block_table) for r in requests)
+        tables = [0] * (size * width)
+        for i, r in enumerate(requests):
+            tables[i * width : i * width + len(r.block_table)] = r.block_table
+        block_tables = self._pinned(tables, torch.int32).view(size, width)
+        drafted = [tokens]
+        for step in range(1, steps):
+            positions, slots, context_lens = [], [], []
+            for r in requests:
+                p = r.num_known + step - 1  # where the previous draft goes
+                live = step < r.max_drafts
+                positions.append(p)
+                slots.append(self._slot(r, p) if live else -1)
+                context_lens.append(p + 1 if live else 0)
+            hidden = graphs.replay_tensors(
+                torch.nn.functional.pad(tokens, (0, pad)),
+                self._pinned(positions + [0] * pad, torch.long),
+                self._pinned(slots + [-1] * pad, torch.long),
+                self._pinned(context_lens + [0] * pad, torch.int32),
+                block_tables,
+            )
+            logits = self.model.compute_logits(hidden[: len(requests)])
+            tokens = logits.argmax(dim=-1)
+            drafted.append(tokens)
+        table = torch.stack(drafted, dim=1).tolist()  # the one host read
+        return [row[: r.max_drafts] for row, r in zip(table, requests, strict=True)]
+
+    def _slot(self, request: DraftRequest, position: int) -> int:
+        block = request.block_table[position // self.block_size]
+        return block * self.block_size + position % self.block_size
+
+    def _pinned(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).pin_memory()
 
     def _unseen(self, request: DraftRequest) -> tuple[int, list[int]]:
         """(first position, tokens) the draft model has not seen: from the first position whose
@@ -124,17 +192,14 @@ class DraftModelProposer:
 
     def _forward(
         self, requests: list[DraftRequest], chunks: list[tuple[int, list[int]]]
-    ) -> list[int]:
+    ) -> torch.Tensor:
         """One draft forward over each request's chunk (first position, tokens); returns the
-        greedy next token of each."""
+        greedy next token of each, on the device."""
         ids, positions, slots = [], [], []
         for r, (start, tokens) in zip(requests, chunks, strict=True):
             ids += tokens
             positions += range(start, start + len(tokens))
-            slots += [
-                r.block_table[p // self.block_size] * self.block_size + p % self.block_size
-                for p in range(start, start + len(tokens))
-            ]
+            slots += [self._slot(r, p) for p in range(start, start + len(tokens))]
         query_lens = [len(t) for _, t in chunks]
         width = max(len(r.block_table) for r in requests)
         tables = [list(r.block_table) + [0] * (width - len(r.block_table)) for r in requests]
@@ -162,4 +227,4 @@ class DraftModelProposer:
             set_context(None)
         last = torch.tensor([n - 1 for n in accumulate(query_lens)], dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden.index_select(0, last))
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)

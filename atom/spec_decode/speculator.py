@@ -50,6 +50,11 @@ class Speculator:
         if self.draft_model is not None:
             self.draft_model.allocate_cache(num_blocks, block_size)
 
+    def capture_graphs(self, max_num_seqs: int, max_blocks: int) -> None:
+        """CUDA graphs of the draft model's decode steps (none for n-gram lookup)."""
+        if self.draft_model is not None:
+            self.draft_model.capture_graphs(max_num_seqs, max_blocks)
+
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> dict[int, list[int]]:
         """Next drafts by sequence id (the tokens read so far are the proposer's input), at
         most `max_drafts[i]` for `seqs[i]`."""
