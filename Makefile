@@ -28,7 +28,7 @@ lint: install-dev
 	$(BIN)/ruff check atom tests benchmarks
 
 test: lint
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q -m "not gpu" tests
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest -q -m "not gpu and not long" tests
 
 bench: install-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_engine.py

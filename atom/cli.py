@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
         "fails (default: %(default)s)",
     )
 
+    _add_limit_args(serve, s)
+
     gen = sub.add_parser("generate", help="generate a completion for one prompt (offline)")
     _add_engine_args(gen)
     gen.add_argument("prompt", help="user message (the chat template is applied)")
@@ -154,6 +156,91 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--tokenizer", default=None, help="tokenizer (default: embedded SmolLM2)")
     check.add_argument("--json", action="store_true", help="one JSON object per line")
     return parser
+
+
+def _add_limit_args(p: argparse.ArgumentParser, s: ServerConfig) -> None:
+    g = p.add_argument_group("limits and safety")
+    g.add_argument(
+        "--max-request-bytes",
+        type=_positive(int),
+        default=s.max_request_bytes,
+        help="largest request body; a larger one is a 413 (default: %(default)s)",
+    )
+    g.add_argument(
+        "--allowed-hosts",
+        type=_names,
+        default=None,
+        help="Host header names served, comma-separated or a JSON list ('*': any; default: the "
+        "loopback names when bound to a loopback address, any otherwise)",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        type=_names,
+        default=None,
+        help="web origins allowed cross-site (CORS), comma-separated or a JSON list ('*': any; "
+        "default: none, no CORS)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=_non_negative,
+        default=s.shutdown_timeout_s,
+        help="on SIGTERM, seconds in-flight requests may finish before they are ended with an "
+        "error event (default: %(default)s)",
+    )
+    g.add_argument(
+        "--timeout-headers",
+        type=_positive(float),
+        default=s.timeout_headers_s,
+        help="seconds a client may take to send a request's headers (default: %(default)s)",
+    )
+    g.add_argument(
+        "--timeout-body",
+        type=_positive(float),
+        default=s.timeout_body_s,
+        help="seconds a client may take to send a request's body (default: %(default)s)",
+    )
+    g.add_argument(
+        "--timeout-keep-alive",
+        type=_positive(float),
+        default=s.timeout_keep_alive_s,
+        help="seconds an idle keep-alive connection stays open (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=_non_negative_int,
+        default=s.max_connections,
+        help="open connections at most; one more gets a 503 (0: no cap; default: %(default)s)",
+    )
+
+
+def _names(text: str) -> list[str]:
+    """A JSON list of strings (as vLLM takes them) or comma-separated names."""
+    import json
+
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            names = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise argparse.ArgumentTypeError("must be a JSON list of strings")
+        return names
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
 
 
 def _positive(kind: type) -> Any:
@@ -176,6 +263,14 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         structured_output_processes=args.structured_output_processes,
         structured_output_budget_s=args.structured_output_budget,
+        max_request_bytes=args.max_request_bytes,
+        allowed_hosts=args.allowed_hosts,
+        allowed_origins=args.allowed_origins,
+        shutdown_timeout_s=args.shutdown_timeout,
+        timeout_headers_s=args.timeout_headers,
+        timeout_body_s=args.timeout_body,
+        timeout_keep_alive_s=args.timeout_keep_alive,
+        max_connections=args.max_connections,
     )
 
 

@@ -90,3 +90,14 @@ class ServerConfig:
     # of one such call (an overrun fails that request alone; see structured_output/schema_workers).
     structured_output_processes: int = 2
     structured_output_budget_s: float = 10.0
+    # Reliability and cross-site safety (entrypoints/openai/limits.py, drain.py).
+    max_request_bytes: int = 8 << 20  # a larger body is a 413, refused while it is read
+    # Host header values served (exact names, "*.suffix", or "*" for any); None: the loopback
+    # names when bound to a loopback address, any otherwise.
+    allowed_hosts: list[str] | None = None
+    allowed_origins: list[str] | None = None  # CORS only when set ("*" for any origin)
+    shutdown_timeout_s: float = 30.0  # SIGTERM: in-flight requests may finish this long
+    timeout_headers_s: float = 10.0  # a request's headers must arrive within this
+    timeout_body_s: float = 30.0  # a request's body must arrive within this after its headers
+    timeout_keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    max_connections: int = 1024  # open connections; one more gets a 503 and is closed

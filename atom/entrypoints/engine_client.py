@@ -47,3 +47,7 @@ class EngineClient(Protocol):
     def structured_output_stats(self) -> dict[str, int]:
         """Live grammar states and cached grammars over every rank, read at scrape time."""
         ...
+
+    def is_alive(self) -> bool:
+        """Whether the engine loop still runs (/health answers 503 once it does not)."""
+        ...

@@ -97,5 +97,8 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def is_alive(self) -> bool:
+        return self.engine.is_alive()
+
     def shutdown(self) -> None:
         self.engine.shutdown()

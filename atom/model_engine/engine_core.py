@@ -319,6 +319,11 @@ class EngineCore:
     def running_in_background(self) -> bool:
         return self._thread is not None
 
+    @property
+    def loop_alive(self) -> bool:
+        """False once a started busy loop has ended (a bug, or shut down)."""
+        return self._thread is None or self._thread.is_alive()
+
     def start(self, handler: OutputHandler) -> None:
         self._handler = handler
         self._thread = threading.Thread(

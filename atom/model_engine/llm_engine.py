@@ -149,6 +149,10 @@ class LLMEngine:
         for core in self.cores:
             core.start(deliver)
 
+    def is_alive(self) -> bool:
+        """Every replica's loop runs (or none was started: inline mode)."""
+        return all(core.loop_alive for core in self.cores)
+
     def shutdown(self) -> None:
         for core in self.cores:
             core.shutdown()

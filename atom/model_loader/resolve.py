@@ -10,9 +10,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -103,14 +105,53 @@ def _save_safetensors(model, folder: Path) -> None:
     config.save_pretrained(folder)
 
 
+_CONVERT_PREFIX = ".convert-"
+_UNOWNED_STALE_S = 3600.0  # a temp folder naming no process is stale after this
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def remove_stale_conversions(cache: Path) -> list[Path]:
+    """Remove the temp folders of conversions that were killed (``kill -9``, a crash): their
+    names hold the converting process's id, and a folder whose process is gone is stale (one
+    without an id, when older than an hour). A conversion still running elsewhere keeps its
+    folder. Returns the removed folders."""
+    removed = []
+    if not cache.is_dir():
+        return removed
+    for folder in cache.glob(f"{_CONVERT_PREFIX}*"):
+        owner = folder.name[len(_CONVERT_PREFIX) :].split("-", 1)[0]
+        try:
+            if owner.isdigit():
+                stale = not _pid_alive(int(owner))
+            else:
+                stale = time.time() - folder.stat().st_mtime > _UNOWNED_STALE_S
+        except OSError:
+            continue
+        if stale and folder.is_dir():
+            shutil.rmtree(folder, ignore_errors=True)
+            logger.info("removed %s, left by an interrupted conversion", folder)
+            removed.append(folder)
+    return removed
+
+
 def _convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF once into `cache_dir()/<stem>-<size>`; written to a temp dir and
     renamed, so an interrupted conversion never leaves a half folder behind."""
     target = envs.cache_dir() / f"{gguf.stem}-{gguf.stat().st_size}"
+    remove_stale_conversions(target.parent)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_CONVERT_PREFIX}{os.getpid()}-", dir=target.parent))
     tmp.chmod(0o755)
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer

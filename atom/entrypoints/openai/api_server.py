@@ -16,7 +16,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from atom.config import EngineConfig, ServerConfig
 from atom.entrypoints.engine_client import EngineClient
+from atom.entrypoints.openai.docs import install_docs
+from atom.entrypoints.openai.drain import DrainingServer
 from atom.entrypoints.openai.errors import install_error_handlers
+from atom.entrypoints.openai.limits import install_limits, uvicorn_limits
 from atom.entrypoints.openai.protocol import (
     AnthropicErrorResponse,
     AnthropicMessagesRequest,
@@ -49,22 +52,6 @@ def _disconnected() -> Response:
     return Response(status_code=499)
 
 
-class _JSONBodyByDefault:
-    """Treat POST bodies sent without a JSON content type (`curl -d ...` sends a form type) as
-    JSON, so they are parsed instead of failing with a confusing error."""
-
-    def __init__(self, app: Any):
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope.get("method") == "POST":
-            headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
-            ctype = dict(scope.get("headers", [])).get(b"content-type", b"")
-            if not ctype or ctype.startswith(b"application/x-www-form-urlencoded"):
-                scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
-        await self.app(scope, receive, send)
-
-
 def _freeze_startup_heap() -> None:
     """Everything alive when serving starts (modules, model, tokenizer: hundreds of thousands of
     objects) lives as long as the process. Frozen, it drops out of full garbage collections,
@@ -86,15 +73,22 @@ def build_app(engine: EngineClient, server_config: ServerConfig | None = None) -
         title="ATOM",
         description="OpenAI- and Anthropic-compatible API of the ATOM inference engine",
         version="0.1.0",
+        docs_url=None,  # served from local assets: docs.py
+        redoc_url=None,
     )
+    install_docs(app)
     app.state.serving = serving
     app.router.on_startup.append(_freeze_startup_heap)
     app.router.on_shutdown.append(serving.close)
-    app.add_middleware(_JSONBodyByDefault)
+    install_limits(app, serving)
     install_error_handlers(app)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
+    async def health() -> Any:
+        if not engine.is_alive():
+            return JSONResponse({"status": "engine_dead"}, status_code=503)
+        if serving.drain.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics", include_in_schema=False)
@@ -194,9 +188,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
             host=server_config.host,
             port=server_config.port,
             log_level=server_config.log_level.lower(),
-            timeout_graceful_shutdown=5,
+            **uvicorn_limits(server_config),
         )
-        server = uvicorn.Server(config)
+        server = DrainingServer(config, app.state.serving.drain, server_config.shutdown_timeout_s)
         server.run()
         return 0 if server.started else 1
     finally:

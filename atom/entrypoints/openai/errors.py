@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from atom.entrypoints.openai.protocol import LONE_SURROGATE_ERROR
+from atom.entrypoints.openai.protocol import LONE_SURROGATE_ERROR, NON_FINITE_ERROR
 
 logger = logging.getLogger("atom.api")
 
@@ -23,7 +23,9 @@ _OPENAI_TYPES = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
 }
@@ -33,7 +35,9 @@ _ANTHROPIC_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
     529: "overloaded_error",
@@ -116,13 +120,18 @@ def _field_depth(loc: tuple[Any, ...] | list[Any]) -> int:
     return param.count(".") + param.count("[") + (1 if param else 0)
 
 
-def _is_messages_path(request: Request) -> bool:
-    return request.url.path.rstrip("/").endswith("/v1/messages")
+def is_messages_path(path: str) -> bool:
+    """Whether ``path`` is Anthropic's route (its errors use the Anthropic body)."""
+    return path.rstrip("/").endswith("/v1/messages")
+
+
+def error_body(path: str, err: APIError) -> dict[str, Any]:
+    """The error body of ``err`` as the API at ``path`` writes it."""
+    return err.anthropic_body() if is_messages_path(path) else err.openai_body()
 
 
 def error_response(request: Request, err: APIError) -> JSONResponse:
-    body = err.anthropic_body() if _is_messages_path(request) else err.openai_body()
-    return JSONResponse(body, status_code=err.status)
+    return JSONResponse(error_body(request.url.path, err), status_code=err.status)
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -133,6 +142,11 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == LONE_SURROGATE_ERROR:
         param = first.get("ctx", {}).get("param")
         return bad_request(first.get("msg", "lone surrogate"), param=param, code="invalid_unicode")
+    if first.get("type") == NON_FINITE_ERROR:
+        param = first.get("ctx", {}).get("param")
+        return bad_request(
+            first.get("msg", "non-finite number"), param=param, code="invalid_number"
+        )
     if first.get("type") == "json_invalid":
         msg = first.get("ctx", {}).get("error") or first.get("msg", "invalid JSON")
         return bad_request(f"The request body is not valid JSON: {msg}", code="invalid_json")

@@ -111,6 +111,8 @@ async def settle(
 ) -> Finished | Failed:
     """The outcome of a finished request whose visible answer is `answer`: an engine error (or
     an abort) fails; a constrained answer must pass the final check to succeed."""
+    if final.finish_reason == "abort" and serving.drain.expired:
+        return Failed(serving.drain.error())  # ended by the drain's timeout (SIGTERM)
     if final.finish_reason not in _SUCCESS:
         return Failed(generation_error(final.error))
     invalid = await structured_output_final_check(serving, params, answer, final.finish_reason)

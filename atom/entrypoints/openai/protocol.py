@@ -1,11 +1,14 @@
 """Every HTTP protocol model in one place: OpenAI Chat, OpenAI Responses, Anthropic Messages and
 model listing. Requests allow unknown extra fields (clients send many); fields with meaning are
-typed so that a wrong value is a 400 naming the field. Responses are built as plain dicts by the
+typed so that a wrong value is a 400 naming the field, strictly (pydantic's strict mode: no
+`true` for an integer, no `"yes"` for a boolean, no `"5"` for a number), and no number anywhere
+in a body may be NaN or an infinity (Python's JSON decoder reads those literals). Responses are built as plain dicts by the
 serving modules (the SDKs define their shapes), with the request models here documenting /docs.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -28,34 +31,47 @@ if TYPE_CHECKING:
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow", protected_namespaces=())
+    model_config = ConfigDict(extra="allow", protected_namespaces=(), strict=True)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), strict=True)
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 LONE_SURROGATE_ERROR = "lone_surrogate"
+NON_FINITE_ERROR = "non_finite_number"
 
 
 def find_lone_surrogate(value: Any, path: str = "") -> str | None:
     """The field path ("messages[0].content") of the first string (or object key) holding a lone
     UTF-16 surrogate such as a JSON `"\\ud800"`; None when there is none. JSON decoding accepts
     them, but they are not text: no tokenizer or UTF-8 encoder takes them."""
+    found = find_invalid_value(value, path)
+    return found[0] if found is not None and found[1] == LONE_SURROGATE_ERROR else None
+
+
+def find_invalid_value(value: Any, path: str = "") -> tuple[str | None, str] | None:
+    """(field path, error type) of the first value that no request may hold, in document order:
+    a string or key with a lone surrogate (`LONE_SURROGATE_ERROR`) or a NaN or infinite number
+    (`NON_FINITE_ERROR`: the literals `NaN`, `Infinity`, `-Infinity` that Python's JSON decoder
+    reads, which no JSON document holds). None when there is none."""
     stack = [(value, path)]
     while stack:
         v, p = stack.pop()
         if isinstance(v, str):
             if _LONE_SURROGATE.search(v):
-                return p or None
+                return p or None, LONE_SURROGATE_ERROR
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                return p or None, NON_FINITE_ERROR
         elif isinstance(v, dict):
             items = []
             for k, item in v.items():
                 key = str(k)
                 if _LONE_SURROGATE.search(key):  # name the key, escaped
                     key = key.encode("utf-8", "backslashreplace").decode("utf-8")
-                    return f"{p}.{key}" if p else key
+                    return (f"{p}.{key}" if p else key), LONE_SURROGATE_ERROR
                 items.append((item, f"{p}.{key}" if p else key))
             stack.extend(reversed(items))
         elif isinstance(v, list):
@@ -64,21 +80,25 @@ def find_lone_surrogate(value: Any, path: str = "") -> str | None:
 
 
 class _RequestBody(_Lenient):
-    """A request body: refuses lone surrogates anywhere in it with a 400 naming the field."""
+    """A request body: refuses lone surrogates and non-finite numbers anywhere in it with a 400
+    naming the field."""
 
     @model_validator(mode="before")
     @classmethod
-    def _no_lone_surrogates(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            param = find_lone_surrogate(data)
-            if param is not None:
-                raise PydanticCustomError(
-                    LONE_SURROGATE_ERROR,
-                    "{param}: the string contains a lone UTF-16 surrogate (an unpaired \\uD800-"
-                    "\\uDFFF escape), which is not valid Unicode text",
-                    {"param": param},
-                )
+    def _no_invalid_values(cls, data: Any) -> Any:
+        found = find_invalid_value(data) if isinstance(data, dict) else None
+        if found is not None:
+            param, kind = found
+            message = _INVALID_VALUE_MESSAGES[kind]
+            raise PydanticCustomError(kind, message, {"param": param})
         return data
+
+
+_INVALID_VALUE_MESSAGES = {
+    LONE_SURROGATE_ERROR: "{param}: the string contains a lone UTF-16 surrogate (an unpaired "
+    "\\uD800-\\uDFFF escape), which is not valid Unicode text",
+    NON_FINITE_ERROR: "{param}: NaN and Infinity are not JSON numbers; send a finite number",
+}
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,7 +32,9 @@ from atom.entrypoints.deployments import (
 )
 from atom.entrypoints.encoders import ChatTemplateError, get_encoder
 from atom.entrypoints.engine_client import EngineClient
+from atom.entrypoints.openai.drain import Drain
 from atom.entrypoints.openai.errors import APIError, bad_request, model_not_found
+from atom.entrypoints.openai.limits import PromptBound, max_token_bytes, text_chars
 from atom.entrypoints.openai.metrics import ApiMetrics, RequestTracker
 from atom.entrypoints.reasoning import ReasoningDialect, ReasoningParser, get_dialect
 from atom.model_engine.output import RequestOutput, TokenLogprob
@@ -228,6 +230,8 @@ class ServingContext:
         )
         self.encoder = get_encoder(self.adapter.chat_encoder, self.tokenizer)
         self.metrics = ApiMetrics(engine.stats, engine.structured_output_stats)
+        self.drain = Drain(engine.abort)
+        self.prompt_bound = PromptBound(self.limits.context_window, max_token_bytes(self.tokenizer))
         self._token_bytes: dict[int, bytes] = {}
         self._schema_workers: SchemaWorkers | None = None
         self.created = int(time.time())
@@ -309,10 +313,13 @@ class ServingContext:
         tools: list[dict[str, Any]] | None,
         messages_param: str,
     ) -> RenderedPrompt:
+        # Too long to fit whatever the tokens: refused before rendering, then before tokenizing.
+        self.prompt_bound.check(text_chars(messages) + text_chars(tools), messages_param)
         try:
             text = self.encoder.render(messages, tools, self.adapter.template_kwargs(thinking))
         except ChatTemplateError as e:
             raise bad_request(str(e), param=messages_param) from e
+        self.prompt_bound.check(len(text), messages_param)
         ids = self.encoder.encode(text)
         in_reasoning = self.dialect.starts_in_reasoning(text) if self.dialect else False
         return RenderedPrompt(
@@ -387,6 +394,14 @@ class ServingContext:
                 "logprobs are not available on this deployment: it decodes speculatively",
                 param="logprobs",
             )
+        vocab = self.hf_config.vocab_size
+        for i, token_id in enumerate(kwargs.get("stop_token_ids") or []):
+            if not 0 <= token_id < vocab:
+                raise bad_request(
+                    f"stop_token_ids[{i}]={token_id} is not a token id of this model "
+                    f"(0 to {vocab - 1})",
+                    param=f"stop_token_ids[{i}]",
+                )
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:
@@ -400,9 +415,11 @@ class ServingContext:
         tracker: RequestTracker,
     ) -> AsyncIterator[RequestOutput]:
         """engine.generate with metrics; aborts the engine request on any early exit."""
+        self.drain.check()
         tracker.prompt(len(rendered.token_ids))
         finished = False
         outcome = "aborted"
+        self.drain.in_flight.add(request_id)
         try:
             try:
                 stream = self.engine.generate(request_id, rendered.token_ids, params)
@@ -421,6 +438,7 @@ class ServingContext:
                     raise bad_request(str(e)) from e
                 raise
         finally:
+            self.drain.in_flight.discard(request_id)
             tracker.finish(outcome)
             if not finished:
                 with anyio.CancelScope(shield=True):

@@ -22,7 +22,7 @@ from anthropic.types import (
     Usage,
 )
 from anthropic.types.raw_message_delta_event import Delta
-from anthropic.types.shared import APIErrorObject, ErrorResponse
+from anthropic.types.shared import ErrorResponse
 from fastapi import Request
 
 from atom.entrypoints.openai.errors import bad_request
@@ -310,8 +310,8 @@ class ServingMessages:
                 case Finished():
                     out = blocks.finish(piece)
                 case Failed(error=error):
-                    api_error = APIErrorObject(type="api_error", message=error.message)
-                    out = [typed_event(ErrorResponse(type="error", error=api_error))]
+                    # api_error (500), overloaded_error (503: shutting down)
+                    out = [typed_event(ErrorResponse.model_validate(error.anthropic_body()))]
                 case _:  # HeldLogprobs: this endpoint streams no logprobs
                     out = []
             for event in out:

@@ -431,6 +431,8 @@ class ServingResponses:
         reasoning, text = self.s.split_reasoning(rendered, final.text)
         done = await settle(self.s, rendered, params, final, reasoning, text)
         if isinstance(done, Failed):
+            if done.error.status == 503:  # shutting down: the client should retry elsewhere
+                raise done.error
             failed = {"status": "failed", "error": _failure(done.error.message)}
             return wire(base.model_copy(update=failed))
         ending = _ending(done)
