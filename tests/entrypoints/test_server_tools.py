@@ -1,0 +1,165 @@
+"""Tool calling through the official SDKs against uvicorn on the embedded SmolLM2 (json-tags
+format): forced calls are grammar-constrained, so even the 135M model writes a valid call whose
+arguments match the tool's schema; the SDKs' tool loops (call -> result -> answer) run end to
+end, streaming and not."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather forecast of a city",
+            "parameters": WEATHER,
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def client(openai_client):
+    return openai_client
+
+
+def _check_weather_args(arguments: str) -> dict:
+    args = json.loads(arguments)
+    assert set(args) == {"city", "days"} and isinstance(args["city"], str)
+    assert len(args["city"]) <= 20 and 1 <= args["days"] <= 7
+    return args
+
+
+def test_chat_tool_loop_with_a_named_tool(client, model_id, wait_idle):
+    r = client.chat.completions.create(
+        model=model_id, messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=60, temperature=0
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    _check_weather_args(call.function.arguments)
+    # The SDK's loop: the assistant turn with its call, the tool's result, then an answer.
+    history = [
+        *ASK,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"},
+    ]
+    final = client.chat.completions.create(
+        model=model_id, messages=history, tools=TOOLS, tool_choice="none", max_tokens=20
+    )
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason in ("stop", "length")
+    wait_idle()
+
+
+def test_chat_required_tool_streams_call_deltas(client, model_id):
+    stream = client.chat.completions.create(
+        model=model_id,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
+        stream=True,
+    )
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        for tc in choice.delta.tool_calls or ():
+            entry = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+            entry["name"] += (tc.function.name or "") if tc.function else ""
+            entry["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    assert list(calls) == [0] and calls[0]["id"]
+    assert calls[0]["name"] in ("get_weather", "get_time")
+    if calls[0]["name"] == "get_weather":
+        _check_weather_args(calls[0]["arguments"])
+    else:
+        assert isinstance(json.loads(calls[0]["arguments"]), dict)
+
+
+def test_chat_stream_accumulates_as_the_sdk_reads_it(client, model_id):
+    with client.chat.completions.stream(
+        model=model_id, messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=60
+    ) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    _check_weather_args(call.function.arguments)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "x": {"$ref": "http://e/x"},
+                                "$ref": "http://e/x",
+                            },
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools[0].function.parameters",
+        ),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+def test_bad_tool_requests_are_400_naming_the_field(server, model_id, body, param):
+    payload = {"model": model_id, "messages": ASK, "tools": TOOLS, "max_tokens": 4, **body}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=payload, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_auto_without_a_call_is_an_ordinary_answer(client, model_id):
+    r = client.chat.completions.create(
+        model=model_id,
+        messages=[{"role": "user", "content": "Say hello."}],
+        tools=TOOLS,
+        max_tokens=8,
+        temperature=0,
+    )
+    choice = r.choices[0]
+    if not choice.message.tool_calls:
+        assert choice.finish_reason in ("stop", "length") and choice.message.content
