@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
 import pytest
 
@@ -163,3 +164,86 @@ def test_auto_without_a_call_is_an_ordinary_answer(client, model_id):
     choice = r.choices[0]
     if not choice.message.tool_calls:
         assert choice.finish_reason in ("stop", "length") and choice.message.content
+
+
+# ---- Anthropic Messages -------------------------------------------------------------------------
+ANTHROPIC_TOOLS = [
+    {"name": "get_weather", "description": "The weather forecast", "input_schema": WEATHER},
+    {"name": "get_time", "input_schema": {"type": "object"}},
+]
+
+
+@pytest.fixture(scope="module")
+def anthropic_client(server):
+    return anthropic.Anthropic(
+        base_url=server.url,
+        api_key="unused",
+        max_retries=0,
+        timeout=120,
+        _strict_response_validation=True,
+    )
+
+
+def test_messages_tool_loop(anthropic_client, model_id, wait_idle):
+    m = anthropic_client.messages.create(
+        model=model_id,
+        max_tokens=60,
+        messages=ASK,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )
+    assert m.stop_reason == "tool_use"
+    (use,) = [b for b in m.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.id.startswith("toolu_")
+    _check_weather_args(json.dumps(use.input))
+    history = [
+        *ASK,
+        {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny"}],
+        },
+    ]
+    final = anthropic_client.messages.create(
+        model=model_id,
+        max_tokens=16,
+        messages=history,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "none"},
+    )
+    assert final.stop_reason in ("end_turn", "max_tokens")
+    assert [b.type for b in final.content] == ["text"] and final.content[0].text
+    wait_idle()
+
+
+def test_messages_stream_sends_input_json_deltas(anthropic_client, model_id):
+    with anthropic_client.messages.stream(
+        model=model_id,
+        max_tokens=60,
+        messages=ASK,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+    ) as stream:
+        kinds = [event.type for event in stream]
+        message = stream.get_final_message()
+    assert "input_json" in kinds  # the SDK's event for an input_json_delta
+    assert message.stop_reason == "tool_use"
+    (use,) = [b for b in message.content if b.type == "tool_use"]
+    assert use.name in ("get_weather", "get_time")
+    if use.name == "get_weather":
+        _check_weather_args(json.dumps(use.input))
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
+        ({"tool_choice": {"type": "sometimes"}}, "tool_choice"),
+        ({"tools": [{"name": "f", "input_schema": 3}]}, "tools[0].input_schema"),
+    ],
+)
+def test_bad_anthropic_tool_requests_name_the_field(server, model_id, body, param):
+    payload = {"model": model_id, "messages": ASK, "tools": ANTHROPIC_TOOLS, "max_tokens": 4}
+    r = httpx.post(f"{server.url}/v1/messages", json={**payload, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error" and param in r.json()["error"]["message"]

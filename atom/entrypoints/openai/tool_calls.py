@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from atom.entrypoints.openai.errors import bad_request
+from atom.entrypoints.openai.errors import APIError, bad_request
 from atom.entrypoints.tool_parsers import ToolCall, ToolParser, get_parser
 
 if TYPE_CHECKING:
@@ -23,6 +23,11 @@ if TYPE_CHECKING:
     from atom.structured_output.spec import StructuredOutputSpec
 
 Choice = Literal["none", "auto", "required"]
+
+
+def _bad(message: str, param: str) -> APIError:
+    """A 400 whose message starts with the field (the Anthropic error body has no param)."""
+    return bad_request(f"{param}: {message}", param=param)
 
 
 @dataclass(frozen=True)
@@ -78,14 +83,14 @@ def _function(tool: Any, i: int, param: str, flat: bool) -> FunctionTool:
     at = f"{param}[{i}]" if flat else f"{param}[{i}].function"
     fn = tool if flat else tool.get("function")
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise bad_request("a function tool needs a name", param=f"{at}.name")
+        raise _bad("a function tool needs a name", f"{at}.name")
     key = "input_schema" if "input_schema" in fn else "parameters"
     schema = fn.get(key, {"type": "object", "properties": {}})
     if not isinstance(schema, dict):
-        raise bad_request("the parameter schema must be an object", param=f"{at}.{key}")
+        raise _bad("the parameter schema must be an object", f"{at}.{key}")
     strict = fn.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise bad_request("strict must be a boolean", param=f"{at}.strict")
+        raise _bad("strict must be a boolean", f"{at}.strict")
     description = fn.get("description")
     return FunctionTool(fn["name"], description, schema, bool(strict), f"{at}.{key}")
 
@@ -100,14 +105,14 @@ def _functions(
         if serving.adapter.is_ignored_tool(tool):
             continue
         if tool.get("type", kind) != kind:
-            raise bad_request(
+            raise _bad(
                 f"tool type {tool.get('type')!r} is not supported by this deployment",
-                param=f"{param}[{i}].type",
+                f"{param}[{i}].type",
             )
         found.append(_function(tool, i, param, flat))
     names = [t.name for t in found]
     if len(set(names)) != len(names):
-        raise bad_request("two tools have the same name", param=param)
+        raise _bad("two tools have the same name", param)
     return found
 
 
@@ -140,7 +145,7 @@ def _openai_choice(
         return "auto", None
     if choice in ("none", "auto", "required"):
         if choice == "required" and not names:
-            raise bad_request("tool_choice 'required' needs tools", param=param)
+            raise _bad("tool_choice 'required' needs tools", param)
         return choice, None
     fn = choice.get("function") if isinstance(choice, dict) and not flat else choice
     name = fn.get("name") if isinstance(fn, dict) else None
@@ -149,11 +154,9 @@ def _openai_choice(
         or choice.get("type") != "function"
         or not isinstance(name, str)
     ):
-        raise bad_request(
-            "tool_choice must be 'none', 'auto', 'required' or a named function", param=param
-        )
+        raise _bad("tool_choice must be 'none', 'auto', 'required' or a named function", param)
     if name not in names:
-        raise bad_request(f"tool_choice names {name!r}, which is not among the tools", param=param)
+        raise _bad(f"tool_choice names {name!r}, which is not among the tools", param)
     return "required", name
 
 
@@ -167,15 +170,15 @@ def read_anthropic_tools(
     kind = choice.get("type")
     names = [t.name for t in found]
     if kind not in ("auto", "any", "tool", "none"):
-        raise bad_request("tool_choice.type must be auto, any, tool or none", param="tool_choice")
+        raise _bad("tool_choice.type must be auto, any, tool or none", "tool_choice")
     if kind == "tool" and choice.get("name") not in names:
-        raise bad_request(
+        raise _bad(
             f"tool_choice names {choice.get('name')!r}, which is not among the tools",
-            param="tool_choice.name",
+            "tool_choice.name",
         )
     if not found:
         if kind in ("any", "tool"):
-            raise bad_request(f"tool_choice {kind!r} needs tools", param="tool_choice")
+            raise _bad(f"tool_choice {kind!r} needs tools", "tool_choice")
         return None
     mode: Choice = {"auto": "auto", "none": "none"}.get(kind, "required")  # type: ignore[assignment]
     parallel = not choice.get("disable_parallel_tool_use", False)
@@ -215,7 +218,7 @@ async def tool_preflight(
         if answer_format is not None:
             answer = await serving.schema_workers.prepare(answer_format.output_format(param))
     except FormatError as e:
-        raise bad_request(e.message, param=e.param, code=e.code) from None
+        raise bad_request(f"{e.param}: {e.message}", param=e.param, code=e.code) from None
     forced = tools.choice == "required"
     besides = "nothing" if forced else ("answer" if answer is not None else "text")
     grammar = ToolGrammar(
@@ -277,9 +280,9 @@ async def preflight(
     ):
         if wants_format and tools.parser_name != "dsml":
             raise bad_request(
-                f"{param} cannot be combined with tools on this deployment: its "
+                f"tools: tools cannot be combined with {param} on this deployment: its "
                 f"{tools.parser_name} tool-call format has no constrained envelope",
-                param=param,
+                param="tools",
                 code="structured_output_unsupported",
             )
         if tools.constrained or wants_format:
