@@ -247,3 +247,79 @@ def test_bad_anthropic_tool_requests_name_the_field(server, model_id, body, para
     r = httpx.post(f"{server.url}/v1/messages", json={**payload, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["type"] == "error" and param in r.json()["error"]["message"]
+
+
+# ---- OpenAI Responses ---------------------------------------------------------------------------
+RESPONSES_TOOLS = [
+    {"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True},
+    {"type": "function", "name": "get_time", "parameters": {"type": "object"}, "strict": False},
+]
+NAMED_RESPONSES = {"type": "function", "name": "get_weather"}
+
+
+def test_responses_tool_loop(client, model_id, wait_idle):
+    r = client.responses.create(
+        model=model_id,
+        input=ASK,
+        tools=RESPONSES_TOOLS,
+        tool_choice=NAMED_RESPONSES,
+        max_output_tokens=60,
+        temperature=0,
+    )
+    assert r.status == "completed"
+    assert [item.type for item in r.output] == ["function_call"]
+    call = r.output[0]
+    assert call.name == "get_weather" and call.call_id and call.status == "completed"
+    _check_weather_args(call.arguments)
+    follow = [
+        *ASK,
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"},
+    ]
+    final = client.responses.create(
+        model=model_id,
+        input=follow,
+        tools=RESPONSES_TOOLS,
+        tool_choice="none",
+        max_output_tokens=16,
+    )
+    assert [item.type for item in final.output] == ["message"] and final.output_text
+    wait_idle()
+
+
+def test_responses_parse_of_a_tool_only_turn(client, model_id):
+    """A strict function's call is parsed by the SDK; the turn has no text to validate."""
+    r = client.responses.parse(
+        model=model_id,
+        input=ASK,
+        tools=RESPONSES_TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=60,
+    )
+    (call,) = r.output
+    assert call.type == "function_call"
+    if call.name == "get_weather":
+        assert call.parsed_arguments == json.loads(call.arguments)
+        _check_weather_args(call.arguments)
+
+
+def test_responses_stream_function_call_events(client, model_id):
+    stream = client.responses.create(
+        model=model_id,
+        input=ASK,
+        tools=RESPONSES_TOOLS,
+        tool_choice=NAMED_RESPONSES,
+        max_output_tokens=60,
+        stream=True,
+    )
+    events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert "response.function_call_arguments.delta" in kinds
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    _check_weather_args(done.arguments)
+    final = events[-1]
+    assert final.type == "response.completed"
+    assert [item.type for item in final.response.output] == ["function_call"]
+    assert final.response.output[0].arguments == done.arguments
