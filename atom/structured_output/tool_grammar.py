@@ -93,8 +93,9 @@ def _properties(schema: dict) -> list[tuple[str, dict]]:
     return list(props.items()) if isinstance(props, dict) else []
 
 
-def _is_plain_string(sub: object) -> bool:
-    """A string parameter without constraints, written raw (``string="true"``)."""
+def is_plain_string(sub: object) -> bool:
+    """A DSML string parameter without constraints, written raw (``string="true"``); any other
+    value is JSON (``string="false"``), which the grammar can constrain."""
     return (
         isinstance(sub, dict)
         and sub.get("type") == "string"
@@ -110,7 +111,7 @@ def _is_plain_string(sub: object) -> bool:
 def _parameter(key: str, sub: dict, root: dict, embed: Embed) -> str:
     """One parameter: raw text for a plain string, else JSON under the parameter's schema (with
     the root's ``$defs``, so its references resolve)."""
-    raw = _is_plain_string(sub)
+    raw = is_plain_string(sub)
     flag = "true" if raw else "false"
     opening = _lit(f"<{DSML}parameter name={json.dumps(key)} string={json.dumps(flag)}>")
     close = _lit(f"</{DSML}parameter>\n")

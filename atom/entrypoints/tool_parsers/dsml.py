@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from atom.entrypoints.tool_parsers.base import ToolCall, ToolParseError, ToolParser
+from atom.structured_output.tool_grammar import is_plain_string
 
 DSML = "｜DSML｜"
 INVOKE = re.compile(rf'\s*<{DSML}invoke name="([^"]*)">(.*?)</{DSML}invoke>\s*', re.DOTALL)
@@ -81,12 +82,15 @@ class DsmlParser(ToolParser):
         return calls
 
     def render_calls(self, calls: Sequence[ToolCall]) -> str:
+        """As the grammar writes them: raw text for a plain string parameter, else JSON."""
         lines = [self.start]
         for call in calls:
             lines.append(f'<{DSML}invoke name="{call.name}">')
+            props = self.tools.get(call.name, {}).get("properties", {})
             for key, value in json.loads(call.arguments or "{}").items():
-                text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-                flag = "true" if isinstance(value, str) else "false"
+                raw = isinstance(value, str) and is_plain_string(props.get(key, {"type": "string"}))
+                text = value if raw else json.dumps(value, ensure_ascii=False)
+                flag = "true" if raw else "false"
                 lines.append(
                     f'<{DSML}parameter name="{key}" string="{flag}">{text}</{DSML}parameter>'
                 )
