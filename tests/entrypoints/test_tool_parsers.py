@@ -143,3 +143,11 @@ def test_tools_join_the_system_turn_and_calls_their_assistant_turn():
     assert out[3] == history[3]
     # Without a system turn, one is added.
     assert tools_into_messages(history[1:2], TOOLS, parser)[0]["role"] == "system"
+
+
+def test_without_parallel_calls_a_second_envelope_stays_text():
+    text, calls = JsonTagsParser(TOOLS, max_calls=1).parse(JSON_OUTPUT)
+    assert calls == [ToolCall("get_weather", '{"city": "Paris", "days": 3}')]
+    assert '<tool_call>{"name": "now", "arguments": {}}</tool_call>' in text
+    # DSML: an envelope of two invokes is more than one call.
+    assert DsmlParser(TOOLS, max_calls=1).parse(DSML_OUTPUT)[1] == []

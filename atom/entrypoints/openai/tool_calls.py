@@ -74,7 +74,10 @@ class ToolRequest:
 
     def parser(self) -> ToolParser | None:
         """A parser for one response (None: ``tool_choice="none"``, all text is text)."""
-        return None if self.choice == "none" else get_parser(self.parser_name, self.definitions)
+        if self.choice == "none":
+            return None
+        one = not self.parallel or self.named is not None
+        return get_parser(self.parser_name, self.definitions, 1 if one else None)
 
 
 def _function(tool: Any, i: int, param: str, flat: bool) -> FunctionTool:

@@ -30,8 +30,10 @@ __all__ = [
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (JsonTagsParser, DsmlParser)}
 
 
-def get_parser(name: str, tools: Sequence[dict[str, Any]] | None) -> ToolParser:
+def get_parser(
+    name: str, tools: Sequence[dict[str, Any]] | None, max_calls: int | None = None
+) -> ToolParser:
     """A fresh parser of the format ``name`` for one response."""
     if name not in PARSERS:
         raise ValueError(f"unknown tool call parser {name!r}; choose one of {', '.join(PARSERS)}")
-    return PARSERS[name](tools)
+    return PARSERS[name](tools, max_calls)

@@ -48,14 +48,18 @@ def function_tools(tools: Sequence[dict[str, Any]] | None) -> dict[str, dict[str
 class ToolParser(ABC):
     """Parses one response. ``feed`` returns the items decided so far, in order; ``finish``
     flushes what is held (an envelope left open is visible text). ``text`` and ``calls``
-    accumulate everything returned."""
+    accumulate everything returned. With ``max_calls`` (``parallel_tool_calls=false``: 1), an
+    envelope beyond it stays text."""
 
     name: str = ""
     start: str = ""  # the envelope's opening marker
     end: str = ""  # its closing marker
 
-    def __init__(self, tools: Sequence[dict[str, Any]] | None) -> None:
+    def __init__(
+        self, tools: Sequence[dict[str, Any]] | None, max_calls: int | None = None
+    ) -> None:
         self.tools = function_tools(tools)
+        self.max_calls = max_calls
         self.text = ""
         self.calls: list[ToolCall] = []
         self._buf = ""
@@ -111,8 +115,13 @@ class ToolParser(ABC):
             self._buf = self._buf[j + len(self.end) :]
             self._inside = False
             try:
-                out.extend(self.parse_body(envelope[len(self.start) : -len(self.end)]))
+                calls = self.parse_body(envelope[len(self.start) : -len(self.end)])
             except ToolParseError:
+                calls = []
+            made = len(self.calls) + sum(isinstance(item, ToolCall) for item in out)
+            if calls and (self.max_calls is None or made + len(calls) <= self.max_calls):
+                out.extend(calls)
+            else:
                 out.append(envelope)
         return out
 
