@@ -110,7 +110,7 @@ def _functions(
         if tool.get("type", kind) != kind:
             raise _bad(
                 f"tool type {tool.get('type')!r} is not supported by this deployment",
-                f"{param}[{i}].type",
+                f"{param}[{i}]",
             )
         found.append(_function(tool, i, param, flat))
     names = [t.name for t in found]
