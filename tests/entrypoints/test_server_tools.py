@@ -323,3 +323,17 @@ def test_responses_stream_function_call_events(client, model_id):
     assert final.type == "response.completed"
     assert [item.type for item in final.response.output] == ["function_call"]
     assert final.response.output[0].arguments == done.arguments
+
+
+def test_strict_tool_under_auto_is_a_valid_call_or_text(client, model_id):
+    strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
+    r = client.chat.completions.create(
+        model=model_id, messages=ASK, tools=strict, max_tokens=40, temperature=0
+    )
+    choice = r.choices[0]
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        for call in choice.message.tool_calls:
+            _check_weather_args(call.function.arguments)
+    else:
+        assert choice.message.content
