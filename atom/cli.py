@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", default=s.log_level, help="uvicorn log level")
     serve.add_argument(
+        "--tool-call-parser",
+        choices=("json-tags", "dsml"),
+        default=None,
+        help="the tool-call format the model writes (default: the deployment adapter's)",
+    )
+    serve.add_argument(
         "--structured-output-processes",
         type=_positive(int),
         default=s.structured_output_processes,
@@ -260,6 +266,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         model_adapter=args.model_adapter,
+        tool_call_parser=args.tool_call_parser,
         log_level=args.log_level,
         structured_output_processes=args.structured_output_processes,
         structured_output_budget_s=args.structured_output_budget,

@@ -85,6 +85,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     model_adapter: str | None = None  # deployment adapter name (see entrypoints/deployments.py)
+    # The tool-call format ("json-tags", "dsml"; see entrypoints/tool_parsers); None: the adapter's.
+    tool_call_parser: str | None = None
     log_level: str = "info"
     # Worker processes for schema preparation and final answer validation, and the time budget
     # of one such call (an overrun fails that request alone; see structured_output/schema_workers).

@@ -82,6 +82,9 @@ class DeploymentAdapter:
     reasoning_dialect: str | None = "auto"
     # Built-in (hosted) tool types dropped from requests: the answer is an ordinary visible answer.
     ignored_builtin_tools: frozenset[str] = frozenset()
+    tool_parser: str = (
+        "json-tags"  # the tool-call format its models write (entrypoints/tool_parsers)
+    )
     model_types: tuple[str, ...] = ()  # checkpoint `model_type`s this adapter is derived from
     aliases: tuple[str, ...] = ()
     template_kwargs: Callable[[ThinkingChoice], dict[str, Any]] = field(
@@ -138,6 +141,7 @@ DEEPSEEK_V41 = DeploymentAdapter(
     default_effort="high",
     thinking_default=True,
     reasoning_dialect="think",
+    tool_parser="dsml",
     model_types=("deepseek_v4", "deepseek_v41"),
     aliases=("v4.1", "deepseek-v4"),
     template_kwargs=_deepseek_template_kwargs,
@@ -150,6 +154,7 @@ DEEPSEEK_V4_FLASH = DeploymentAdapter(
     default_effort="high",
     thinking_default=True,
     reasoning_dialect="think",
+    tool_parser="dsml",
     # Dated spellings too: web_search_2025_08_26, web_search_preview_2025_03_11, web_search_20250305.
     ignored_builtin_tools=frozenset({"web_search", "web_search_preview"}),
     aliases=("flash", "v4-flash"),
@@ -165,6 +170,7 @@ DEEPSEEK_V4_DSPARK = DeploymentAdapter(
     default_effort="high",
     thinking_default=True,
     reasoning_dialect="think",
+    tool_parser="dsml",
     aliases=("dspark",),
     template_kwargs=_deepseek_template_kwargs,
 )

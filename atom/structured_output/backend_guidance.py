@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,8 @@ from atom.config import EngineConfig, StructuredOutputWhitespace
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLParserLimits, LLTokenizer
+
+    from atom.structured_output.tool_grammar import ToolGrammar
 
 __all__ = [
     "GrammarError",
@@ -264,20 +267,23 @@ class GuidanceBackend:
         self.tokenizer_size = len(hf_tokenizer)
         self.limits = parser_limits()
 
-    def grammar(self, lowered: dict | bool) -> str:
-        """The validated llguidance grammar for a lowered schema (raises ``GrammarError``)."""
+    def grammar(self, lowered: dict | bool | ToolGrammar) -> str:
+        """The validated llguidance grammar for a lowered schema or a tool turn's grammar
+        (raises ``GrammarError``)."""
         from llguidance import LLMatcher
 
-        from atom.structured_output.regex import translate_schema_patterns
+        from atom.structured_output.tool_grammar import ToolGrammar
 
         if lowered is False:
             raise GrammarError("the schema admits no value")
-        schema = {} if lowered is True else {k: v for k, v in lowered.items() if k != "x-guidance"}
         try:
             # Lowered patterns are ECMA-262; llguidance reads Rust syntax (RegexError is a
             # ValueError: an untranslatable pattern is a GrammarError like any other).
-            schema = translate_schema_patterns(schema)
-            grammar = LLMatcher.grammar_from_json_schema(schema, overrides=self.json_options)
+            if isinstance(lowered, ToolGrammar):
+                grammar = LLMatcher.grammar_from_lark(lowered.lark(self._embedded_json))
+            else:
+                schema = self._schema({} if lowered is True else lowered)
+                grammar = LLMatcher.grammar_from_json_schema(schema, overrides=self.json_options)
         except (ValueError, TypeError) as exc:
             raise GrammarError(_safe_message(str(exc))) from None
         is_error, messages = LLMatcher.validate_grammar_with_warnings(
@@ -286,6 +292,16 @@ class GuidanceBackend:
         if is_error:
             raise GrammarError(_safe_message(messages[0] if messages else ""))
         return grammar
+
+    @staticmethod
+    def _schema(lowered: dict) -> dict:
+        from atom.structured_output.regex import translate_schema_patterns
+
+        return translate_schema_patterns({k: v for k, v in lowered.items() if k != "x-guidance"})
+
+    def _embedded_json(self, lowered: dict) -> str:
+        """A schema inside a Lark grammar, with this backend's strict options as its own."""
+        return json.dumps({**self._schema(lowered), "x-guidance": self.json_options})
 
     def compile(self, lowered: dict | bool) -> LLMatcher:
         """A pristine matcher for the schema; requests get ``deep_copy()`` of it."""

@@ -10,9 +10,12 @@ constraint cannot be combined with.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from atom.structured_output.schema import PreparedSchema, SchemaError, prepare_schema
+
+if TYPE_CHECKING:
+    from atom.structured_output.tool_grammar import ToolGrammar
 
 
 class FormatError(ValueError):
@@ -73,19 +76,21 @@ class OutputFormat:
 class StructuredOutputSpec:
     """What a constrained request carries in ``SamplingParams.structured_output``.
 
-    Workers need only ``key`` (the compile-cache key), ``lowered`` (what they compile) and
-    ``end_marker`` (the reasoning end-marker bytes when generation starts inside reasoning,
-    else None). ``constraint`` stays with the API for final validation and is not pickled
-    when the spec travels to worker processes.
+    Workers need only ``key`` (the compile-cache key), ``lowered`` (what they compile: a
+    lowered schema, or a tool turn's ``ToolGrammar``) and ``end_marker`` (the reasoning
+    end-marker bytes when generation starts inside reasoning, else None). ``constraint`` (the
+    answer's) and ``tools`` (each constrained tool's arguments, by name) stay with the API for
+    final validation and are not pickled when the spec travels to worker processes.
     """
 
     key: str
-    lowered: dict
+    lowered: dict | ToolGrammar
     end_marker: bytes | None = None
     constraint: OutputConstraint | None = field(default=None, compare=False, repr=False)
+    tools: dict[str, OutputConstraint] | None = field(default=None, compare=False, repr=False)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "constraint": None}
+        return {**self.__dict__, "constraint": None, "tools": None}
 
     @classmethod
     def of(cls, constraint: OutputConstraint, end_marker: bytes | None) -> StructuredOutputSpec:

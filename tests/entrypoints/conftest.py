@@ -1,7 +1,7 @@
 """Real servers for the endpoint tests: the embedded SmolLM2 on the real engine, served by
 uvicorn on 127.0.0.1 (free port) in a background thread; one engine and one server per module.
 
-A module may set `MODEL_FIXTURE` (the fixture giving the model folder), `ENGINE_KW` (EngineConfig overrides, e.g. a small max_model_len) and `MOUNTS`
+A module may set `MODEL_FIXTURE` (the fixture giving the model folder), `ENGINE_KW` (EngineConfig overrides, e.g. a small max_model_len), `SERVER_KW` (ServerConfig overrides) and `MOUNTS`
 ({"/prefix": "adapter-name"}): each mount is another deployment adapter served from the same
 engine under that path prefix, so one server covers several adapters.
 """
@@ -105,7 +105,7 @@ def server(request, engine) -> Iterator[UvicornThread]:
     from atom.config import ServerConfig
     from atom.entrypoints.openai.api_server import build_app
 
-    app = build_app(engine, ServerConfig())
+    app = build_app(engine, ServerConfig(**getattr(request.module, "SERVER_KW", {})))
     for prefix, adapter in getattr(request.module, "MOUNTS", {}).items():
         app.mount(prefix, build_app(engine, ServerConfig(model_adapter=adapter)))
     srv = UvicornThread(app).start()
@@ -137,3 +137,17 @@ def wait_idle(engine):
             time.sleep(0.05)
 
     return wait
+
+
+@pytest.fixture(scope="module")
+def openai_client(server):
+    """The official `openai` SDK on the module's server, validating every response strictly."""
+    import openai
+
+    return openai.OpenAI(
+        base_url=f"{server.url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=120,
+        _strict_response_validation=True,
+    )

@@ -53,6 +53,14 @@ def test_structured_output_worker_flags(capsys):
         assert "must be above 0" in capsys.readouterr().err
 
 
+def test_tool_call_parser_flag(capsys):
+    args = build_parser().parse_args(["serve", "--tool-call-parser", "dsml"])
+    assert server_config_from_args(args).tool_call_parser == "dsml"
+    assert server_config_from_args(build_parser().parse_args(["serve"])).tool_call_parser is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "xml"])
+
+
 def test_unknown_adapter_is_one_line_and_exit_1(capsys):
     assert run_server(EngineConfig(), ServerConfig(model_adapter="nope")) == 1
     err = capsys.readouterr().err.strip()

@@ -18,6 +18,8 @@ class HFChatEncoder:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
+        # Whether the template writes tool definitions itself (else they join the system turn).
+        self.renders_tools = "tools" in str(getattr(tokenizer, "chat_template", None) or "")
 
     def render(
         self,

@@ -8,9 +8,9 @@ here once; a full (non-streaming) answer settles through the same `settle`.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from atom.entrypoints.openai.errors import APIError
 from atom.entrypoints.openai.metrics import RequestTracker
@@ -21,9 +21,14 @@ from atom.entrypoints.openai.serving_engine import (
     structured_output_error,
     structured_output_final_check,
 )
+from atom.entrypoints.openai.tool_calls import check_tool_turn
 from atom.entrypoints.reasoning import REASONING, TEXT, ReasoningParser
+from atom.entrypoints.tool_parsers import ToolCall, ToolParser
 from atom.model_engine.output import RequestOutput, TokenLogprob
 from atom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from atom.entrypoints.openai.tool_calls import ToolRequest
 
 logger = logging.getLogger("atom.api")
 
@@ -47,6 +52,16 @@ class AnswerDelta:
 
 
 @dataclass(frozen=True)
+class ToolCallDelta:
+    """A complete tool call (the ``index``-th of the turn), once its envelope has closed;
+    provisional like answer text. ``logprobs`` as on `ReasoningDelta`."""
+
+    index: int
+    call: ToolCall
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
 class HeldLogprobs:
     """The tokens of an engine step whose text the reasoning parser still holds back."""
 
@@ -57,7 +72,7 @@ class HeldLogprobs:
 class Finished:
     """A success: the answer passed its final check (or hit the output cap: "length")."""
 
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     stop_string: str | None  # the stop string that ended the answer
     reasoning: str
     answer: str
@@ -65,6 +80,7 @@ class Finished:
     output_tokens: int
     cached_tokens: int
     reasoning_tokens: int
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -74,7 +90,7 @@ class Failed:
     error: APIError
 
 
-Delta = ReasoningDelta | AnswerDelta | HeldLogprobs
+Delta = ReasoningDelta | AnswerDelta | ToolCallDelta | HeldLogprobs
 Piece = Delta | Finished | Failed
 
 
@@ -82,7 +98,30 @@ Piece = Delta | Finished | Failed
 _SUCCESS = (None, "stop", "length")
 
 
-def _deltas(parser: ReasoningParser | None, out: RequestOutput, with_logprobs: bool) -> list[Delta]:
+def _items(
+    texts: list[tuple[str, str]], tools: ToolParser | None, finished: bool
+) -> list[tuple[str, str | ToolCall]]:
+    """(channel, text or tool call) in order: answer text goes through the tool parser, which
+    is flushed with the last step."""
+    if tools is None:
+        return list(texts)
+    items: list[tuple[str, str | ToolCall]] = []
+    for channel, text in texts:
+        if channel == REASONING:
+            items.append((channel, text))
+        else:
+            items.extend((TEXT, item) for item in tools.feed(text))
+    if finished:
+        items.extend((TEXT, item) for item in tools.finish())
+    return items
+
+
+def _deltas(
+    parser: ReasoningParser | None,
+    tools: ToolParser | None,
+    out: RequestOutput,
+    with_logprobs: bool,
+) -> list[Delta]:
     """The deltas of one engine step; without a dialect all of its text is answer text."""
     if parser is None:
         texts = [(TEXT, out.delta_text)]
@@ -90,11 +129,16 @@ def _deltas(parser: ReasoningParser | None, out: RequestOutput, with_logprobs: b
         texts = parser.feed(out.delta_text)
         if out.finished:
             texts += parser.finish()
+    calls_before = len(tools.calls) if tools is not None else 0
     logprobs = (out.logprobs or []) if with_logprobs else None
     deltas: list[Delta] = []
-    for channel, text in texts:
-        kind = ReasoningDelta if channel == REASONING else AnswerDelta
-        deltas.append(kind(text, logprobs))
+    for channel, item in _items(texts, tools, out.finished):
+        if isinstance(item, ToolCall):
+            deltas.append(ToolCallDelta(calls_before, item, logprobs))
+            calls_before += 1
+        else:
+            kind = ReasoningDelta if channel == REASONING else AnswerDelta
+            deltas.append(kind(item, logprobs))
         logprobs = None
     if logprobs:
         deltas.append(HeldLogprobs(logprobs))
@@ -108,18 +152,25 @@ async def settle(
     final: RequestOutput,
     reasoning: str,
     answer: str,
+    calls: Sequence[ToolCall] = (),
 ) -> Finished | Failed:
-    """The outcome of a finished request whose visible answer is `answer`: an engine error (or
-    an abort) fails; a constrained answer must pass the final check to succeed."""
+    """The outcome of a finished request whose visible answer is `answer` (beside `calls`):
+    an engine error (or an abort) fails; a constrained answer or tool turn must pass the final
+    check to succeed."""
     if final.finish_reason == "abort" and serving.drain.expired:
         return Failed(serving.drain.error())  # ended by the drain's timeout (SIGTERM)
     if final.finish_reason not in _SUCCESS:
         return Failed(generation_error(final.error))
-    invalid = await structured_output_final_check(serving, params, answer, final.finish_reason)
+    spec = params.structured_output
+    if spec is not None and spec.tools is not None and final.finish_reason != "length":
+        invalid = await check_tool_turn(serving, spec, answer, calls)
+    else:
+        invalid = await structured_output_final_check(serving, params, answer, final.finish_reason)
     if invalid is not None:
         return Failed(structured_output_error(invalid))
+    reason = "length" if final.finish_reason == "length" else "tool_calls" if calls else "stop"
     return Finished(
-        finish_reason="length" if final.finish_reason == "length" else "stop",
+        finish_reason=reason,
         stop_string=final.stop_reason if isinstance(final.stop_reason, str) else None,
         reasoning=reasoning,
         answer=answer,
@@ -127,7 +178,21 @@ async def settle(
         output_tokens=len(final.output_token_ids),
         cached_tokens=final.num_cached_tokens,
         reasoning_tokens=len(serving.encoder.encode(reasoning)) if reasoning else 0,
+        tool_calls=tuple(calls),
     )
+
+
+def split_output(
+    serving: ServingContext, rendered: RenderedPrompt, tools: ToolRequest | None, output: str
+) -> tuple[str, str, list[ToolCall]]:
+    """(reasoning, visible answer, tool calls) of a finished output, parsed as the stream
+    would be."""
+    reasoning, text = serving.split_reasoning(rendered, output)
+    parser = tools.parser() if tools is not None else None
+    if parser is None:
+        return reasoning, text, []
+    text, calls = parser.parse(text)
+    return reasoning, text, calls
 
 
 async def generate_pieces(
@@ -136,23 +201,28 @@ async def generate_pieces(
     rendered: RenderedPrompt,
     params: SamplingParams,
     tracker: RequestTracker,
+    tools: ToolRequest | None = None,
 ) -> AsyncIterator[Piece]:
     """Deltas as the engine produces them, then one `Finished` or `Failed`. Errors end it with
     `Failed` rather than raising, so a stream always ends with its endpoint's terminal event
     instead of being cut."""
     parser = serving.reasoning_parser(rendered)
+    tool_parser = tools.parser() if tools is not None else None
     final = None
     try:
         async for out in serving.generate(request_id, rendered, params, tracker):
             final = out
             if out.finished and out.finish_reason not in _SUCCESS:
                 break  # settled below, its text unshown
-            for delta in _deltas(parser, out, params.logprobs is not None):
+            for delta in _deltas(parser, tool_parser, out, params.logprobs is not None):
                 yield delta
         if final is None:
             raise APIError("the engine ended the request without output", status=500)
         reasoning, answer = (parser.reasoning, parser.text) if parser else ("", final.text)
-        outcome = await settle(serving, rendered, params, final, reasoning, answer)
+        calls: list[ToolCall] = []
+        if tool_parser is not None:
+            answer, calls = tool_parser.text, tool_parser.calls
+        outcome = await settle(serving, rendered, params, final, reasoning, answer, calls)
     except APIError as e:
         outcome = Failed(e)
     except Exception as e:  # a bug mid-stream: end the stream with an error, not a cut

@@ -12,11 +12,16 @@ from openai.types.chat import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionMessage,
+    ChatCompletionMessageToolCall,
     ChatCompletionTokenLogprob,
 )
 from openai.types.chat.chat_completion import Choice, ChoiceLogprobs
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
-from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from openai.types.chat.chat_completion_chunk import (
+    ChoiceDelta,
+    ChoiceDeltaToolCall,
+    ChoiceDeltaToolCallFunction,
+)
 from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkLogprobs
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
 from openai.types.completion_usage import (
@@ -33,8 +38,10 @@ from atom.entrypoints.openai.pieces import (
     Finished,
     HeldLogprobs,
     ReasoningDelta,
+    ToolCallDelta,
     generate_pieces,
     settle,
+    split_output,
 )
 from atom.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -48,9 +55,10 @@ from atom.entrypoints.openai.serving_engine import (
     ServingContext,
     random_id,
     run_until_disconnect,
-    structured_output_preflight,
 )
 from atom.entrypoints.openai.sse import DONE, SSEResponse, data_event, wire
+from atom.entrypoints.openai.tool_calls import ToolRequest, preflight, read_tools
+from atom.entrypoints.tool_parsers import ToolCall
 from atom.model_engine.output import RequestOutput, TokenLogprob
 from atom.sampling_params import SamplingParams
 
@@ -154,6 +162,26 @@ class _Chunks:
         return self._chunk([], usage=usage)
 
 
+def _tool_call(call_id: str, call: ToolCall) -> ChatCompletionMessageToolCall:
+    return ChatCompletionMessageToolCall(
+        id=call_id, type="function", function={"name": call.name, "arguments": call.arguments}
+    )
+
+
+def _tool_call_deltas(index: int, call_id: str, call: ToolCall) -> list[ChoiceDelta]:
+    """A call as stream deltas: its id and name, then its arguments."""
+    head = ChoiceDeltaToolCall(
+        index=index,
+        id=call_id,
+        type="function",
+        function=ChoiceDeltaToolCallFunction(name=call.name, arguments=""),
+    )
+    arguments = ChoiceDeltaToolCall(
+        index=index, function=ChoiceDeltaToolCallFunction(arguments=call.arguments)
+    )
+    return [ChoiceDelta(tool_calls=[head]), ChoiceDelta(tool_calls=[arguments])]
+
+
 def _stop_reason(done: Finished) -> dict[str, str]:
     """`stop_reason`: the stop string that ended the answer (absent otherwise)."""
     return {} if done.stop_string is None else {"stop_reason": done.stop_string}
@@ -200,9 +228,10 @@ class ServingChat:
         thinking = s.resolve_thinking(
             req.reasoning_effort, _thinking_toggle(req), "reasoning_effort"
         )
-        tools = s.filter_tools(req.tools, "tools")
+        tools = read_tools(s, req.tools, req.tool_choice, req.parallel_tool_calls)
         messages = chat_messages_to_dicts(req.messages)
-        rendered = await s.render_async(messages, thinking, tools, "messages")
+        definitions = tools.definitions if tools is not None else None
+        rendered = await s.render_async(messages, thinking, definitions, "messages")
         if req.max_completion_tokens is not None:
             cap = s.resolve_cap(
                 req.max_completion_tokens,
@@ -228,8 +257,9 @@ class ServingChat:
         )
         request_id = random_id("chatcmpl-")
         # STRUCTURED-OUTPUT HOOK (response_format): see serving_engine.structured_output_preflight.
-        params.structured_output = await structured_output_preflight(
+        params.structured_output = await preflight(
             s,
+            tools,
             request=req,
             fmt=req.response_format,
             param="response_format",
@@ -241,12 +271,14 @@ class ServingChat:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(
-                self._stream(request_id, req, rendered, params, tracker, include_usage, top)
+                self._stream(request_id, req, rendered, params, tracker, include_usage, top, tools)
             )
         final, logprobs = await run_until_disconnect(
             raw_request, s.collect(request_id, rendered, params, tracker)
         )
-        return await self._full_response(request_id, req, rendered, params, final, logprobs, top)
+        return await self._full_response(
+            request_id, req, rendered, params, final, logprobs, top, tools
+        )
 
     def _usage(self, done: Finished) -> CompletionUsage:
         usage = CompletionUsage(
@@ -270,12 +302,18 @@ class ServingChat:
         final: RequestOutput,
         logprobs: list[TokenLogprob],
         top: int,
+        tools: ToolRequest | None,
     ) -> dict[str, Any]:
-        reasoning, text = self.s.split_reasoning(rendered, final.text)
-        done = await settle(self.s, rendered, params, final, reasoning, text)
+        reasoning, text, calls = split_output(self.s, rendered, tools, final.text)
+        done = await settle(self.s, rendered, params, final, reasoning, text, calls)
         if isinstance(done, Failed):
             raise done.error
         message: dict[str, Any] = {"role": "assistant", "content": done.answer}
+        if done.tool_calls:
+            message["content"] = done.answer if done.answer.strip() else None
+            message["tool_calls"] = [
+                _tool_call(random_id("call_"), c).model_dump() for c in done.tool_calls
+            ]
         if self.s.dialect is not None and (done.reasoning or rendered.in_reasoning):
             message["reasoning_content"] = done.reasoning
         entries = self._logprobs(logprobs, top) if req.logprobs else None
@@ -305,11 +343,18 @@ class ServingChat:
         tracker: RequestTracker,
         include_usage: bool,
         top: int,
+        tools: ToolRequest | None,
     ) -> AsyncIterator[str]:
         chunks = _Chunks(request_id, req.model, include_usage)
         yield data_event(chunks.delta(ChoiceDelta(role="assistant", content="")))
-        async for piece in generate_pieces(self.s, request_id, rendered, params, tracker):
+        pieces = generate_pieces(self.s, request_id, rendered, params, tracker, tools)
+        async for piece in pieces:
             match piece:
+                case ToolCallDelta(index=index, call=call, logprobs=logprobs):
+                    call_id = random_id("call_")
+                    for delta in _tool_call_deltas(index, call_id, call):
+                        yield data_event(chunks.delta(delta, self._logprobs(logprobs, top)))
+                        logprobs = None
                 case ReasoningDelta(text=text, logprobs=logprobs):
                     delta = ChoiceDelta(reasoning_content=text)
                     yield data_event(chunks.delta(delta, self._logprobs(logprobs, top)))

@@ -37,6 +37,8 @@ from atom.entrypoints.openai.errors import APIError, bad_request, model_not_foun
 from atom.entrypoints.openai.limits import PromptBound, max_token_bytes, text_chars
 from atom.entrypoints.openai.metrics import ApiMetrics, RequestTracker
 from atom.entrypoints.reasoning import ReasoningDialect, ReasoningParser, get_dialect
+from atom.entrypoints.tool_parsers import get_parser
+from atom.entrypoints.tool_parsers.prompt import tools_into_messages
 from atom.model_engine.output import RequestOutput, TokenLogprob
 from atom.sampling_params import SamplingParams
 
@@ -104,24 +106,46 @@ async def structured_output_preflight(
             param=param,
             code="structured_output_unsupported",
         )
-    from atom.structured_output.spec import (
-        FormatError,
-        StructuredOutputSpec,
-        check_request_features,
-    )
+    from atom.structured_output.spec import FormatError, StructuredOutputSpec
 
+    # DSML: the request's tools were declined (tool_choice "none"), see tool_calls.
+    tools = None if serving.tool_parser == "dsml" else getattr(request, "tools", None)
     try:
-        check_request_features(
-            stop=list(params.stop or []),
-            stop_token_ids=list(params.stop_token_ids or []),
-            ignore_eos=params.ignore_eos,
-            multimodal_param=_multimodal_param(request, endpoint),
-            tools=serving.filter_tools(getattr(request, "tools", None), "tools"),
-            param=param,
-        )
+        check_constraint_features(serving, request, params, param, endpoint, tools)
         constraint = await serving.schema_workers.prepare(fmt.output_format(param))
     except FormatError as e:
         raise bad_request(e.message, param=e.param, code=e.code) from None
+    spec = StructuredOutputSpec.of(constraint, reasoning_end_marker(serving, rendered, param))
+    await admit_spec(serving, spec, param)
+    return spec
+
+
+def check_constraint_features(
+    serving: ServingContext,
+    request: Any,
+    params: SamplingParams,
+    param: str,
+    endpoint: str,
+    tools: list[dict[str, Any]] | None,
+) -> None:
+    """Refuse what cannot be combined with a constraint (``FormatError`` naming the field)."""
+    from atom.structured_output.spec import check_request_features
+
+    check_request_features(
+        stop=list(params.stop or []),
+        stop_token_ids=list(params.stop_token_ids or []),
+        ignore_eos=params.ignore_eos,
+        multimodal_param=_multimodal_param(request, endpoint),
+        tools=serving.filter_tools(tools, "tools"),
+        param=param,
+    )
+
+
+def reasoning_end_marker(
+    serving: ServingContext, rendered: RenderedPrompt, param: str
+) -> bytes | None:
+    """The reasoning end marker a constrained output waits for (None: constrained at once);
+    a framed dialect is a 400 naming ``param``."""
     dialect = serving.dialect
     if dialect is not None and dialect.framed:
         raise bad_request(
@@ -130,15 +154,12 @@ async def structured_output_preflight(
             param=param,
             code="structured_output_unsupported",
         )
-    end_marker = None
     if dialect is not None and rendered.in_reasoning:
-        end_marker = dialect.end_marker.encode("utf-8")
-    spec = StructuredOutputSpec.of(constraint, end_marker)
-    await _admit(serving, spec, param)
-    return spec
+        return dialect.end_marker.encode("utf-8")
+    return None
 
 
-async def _admit(serving: ServingContext, spec: StructuredOutputSpec, param: str) -> None:
+async def admit_spec(serving: ServingContext, spec: StructuredOutputSpec, param: str) -> None:
     """The admission RPC to every rank (a 400 naming ``param`` when a rank refuses)."""
     from atom.structured_output.admission import AdmissionError, admit_on_workers, api_fingerprint
 
@@ -229,6 +250,7 @@ class ServingContext:
             self.adapter.reasoning_dialect, self.tokenizer
         )
         self.encoder = get_encoder(self.adapter.chat_encoder, self.tokenizer)
+        self.tool_parser: str = server_config.tool_call_parser or self.adapter.tool_parser
         self.metrics = ApiMetrics(engine.stats, engine.structured_output_stats)
         self.drain = Drain(engine.abort)
         self.prompt_bound = PromptBound(self.limits.context_window, max_token_bytes(self.tokenizer))
@@ -315,6 +337,9 @@ class ServingContext:
     ) -> RenderedPrompt:
         # Too long to fit whatever the tokens: refused before rendering, then before tokenizing.
         self.prompt_bound.check(text_chars(messages) + text_chars(tools), messages_param)
+        if not self.encoder.renders_tools:
+            messages = tools_into_messages(messages, tools, get_parser(self.tool_parser, tools))
+            tools = None
         try:
             text = self.encoder.render(messages, tools, self.adapter.template_kwargs(thinking))
         except ChatTemplateError as e:

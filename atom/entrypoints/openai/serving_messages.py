@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from anthropic.types import (
+    InputJSONDelta,
     Message,
     MessageDeltaUsage,
     RawContentBlockDeltaEvent,
@@ -19,6 +20,7 @@ from anthropic.types import (
     TextDelta,
     ThinkingBlock,
     ThinkingDelta,
+    ToolUseBlock,
     Usage,
 )
 from anthropic.types.raw_message_delta_event import Delta
@@ -32,8 +34,10 @@ from atom.entrypoints.openai.pieces import (
     Failed,
     Finished,
     ReasoningDelta,
+    ToolCallDelta,
     generate_pieces,
     settle,
+    split_output,
 )
 from atom.entrypoints.openai.protocol import (
     AnthropicImageBlock,
@@ -49,12 +53,15 @@ from atom.entrypoints.openai.serving_engine import (
     ServingContext,
     random_id,
     run_until_disconnect,
-    structured_output_preflight,
 )
 from atom.entrypoints.openai.sse import SSEResponse, typed_event, wire
+from atom.entrypoints.openai.tool_calls import ToolRequest, preflight, read_anthropic_tools
 from atom.entrypoints.reasoning import REASONING, TEXT
+from atom.entrypoints.tool_parsers import ToolCall
 from atom.model_engine.output import RequestOutput
 from atom.sampling_params import SamplingParams
+
+TOOL_USE = "tool_use"
 
 
 def _tool_result_text(block: AnthropicToolResultBlock) -> str:
@@ -118,24 +125,6 @@ def anthropic_to_messages(req: AnthropicMessagesRequest) -> list[dict[str, Any]]
     return out
 
 
-def _template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    if not tools:
-        return None
-    return [
-        {
-            "type": "function",
-            "function": {
-                "name": t.get("name"),
-                "description": t.get("description", ""),
-                "parameters": t.get("input_schema", {}),
-            },
-        }
-        if "input_schema" in t
-        else t
-        for t in tools
-    ]
-
-
 def _usage(input_tokens: int, output_tokens: int = 0, cached_tokens: int = 0) -> Usage:
     return Usage(
         input_tokens=input_tokens,
@@ -149,19 +138,39 @@ def _stop(done: Finished) -> dict[str, Any]:
     """`stop_reason` and `stop_sequence` of a finished message."""
     if done.finish_reason == "length":
         return {"stop_reason": "max_tokens", "stop_sequence": None}
+    if done.finish_reason == "tool_calls":
+        return {"stop_reason": "tool_use", "stop_sequence": None}
     if done.stop_string is not None:
         return {"stop_reason": "stop_sequence", "stop_sequence": done.stop_string}
     return {"stop_reason": "end_turn", "stop_sequence": None}
 
 
+def _tool_use(call: ToolCall) -> ToolUseBlock:
+    return ToolUseBlock(
+        type="tool_use", id=random_id("toolu_"), name=call.name, input=json.loads(call.arguments)
+    )
+
+
 class _Blocks:
     """The content blocks of one streamed message, one open at a time, numbered in order; a
-    message always ends with a text block (empty when the answer is)."""
+    message without tool calls always ends with a text block (empty when the answer is)."""
 
     def __init__(self) -> None:
         self.index = -1
-        self.kind: str | None = None  # channel of the open block: REASONING or TEXT
+        self.kind: str | None = None  # channel of the open block: REASONING, TEXT or TOOL_USE
         self.text_opened = False
+        self.tool_used = False
+
+    def tool(self, call: ToolCall) -> list[str]:
+        """A tool_use block: its start (empty input), its arguments as one JSON delta."""
+        block = _tool_use(call).model_copy(update={"input": {}})
+        start = RawContentBlockStartEvent(
+            type="content_block_start", index=self.index + 1, content_block=block
+        )
+        events = [*self._open(TOOL_USE), typed_event(start)]
+        delta = InputJSONDelta(type="input_json_delta", partial_json=call.arguments)
+        event = RawContentBlockDeltaEvent(type="content_block_delta", index=self.index, delta=delta)
+        return [*events, typed_event(event)]
 
     def _open(self, kind: str) -> list[str]:
         events = []
@@ -169,6 +178,9 @@ class _Blocks:
             events.append(typed_event(self._stop_event()))
         self.index += 1
         self.kind = kind
+        if kind == TOOL_USE:
+            self.tool_used = True
+            return events  # its start event is the caller's
         if kind == REASONING:
             block: ThinkingBlock | TextBlock = ThinkingBlock(
                 type="thinking", thinking="", signature=""
@@ -194,7 +206,7 @@ class _Blocks:
         return [*events, typed_event(event)]
 
     def finish(self, done: Finished) -> list[str]:
-        events = [] if self.text_opened else self._open(TEXT)
+        events = [] if self.text_opened or self.tool_used else self._open(TEXT)
         message_delta = RawMessageDeltaEvent(
             type="message_delta",
             delta=Delta(**_stop(done)),
@@ -220,9 +232,10 @@ class ServingMessages:
             enabled = {"enabled": True, "disabled": False}.get(req.thinking.type)
         effort = req.output_config.effort if req.output_config is not None else None
         thinking = s.resolve_thinking(effort, enabled, "output_config.effort")
-        tools = _template_tools(s.filter_tools(req.tools, "tools"))
+        tools = read_anthropic_tools(s, req.tools, req.tool_choice)
         messages = anthropic_to_messages(req)
-        rendered = await s.render_async(messages, thinking, tools, "messages")
+        definitions = tools.definitions if tools is not None else None
+        rendered = await s.render_async(messages, thinking, definitions, "messages")
         cap = s.resolve_cap(req.max_tokens, "max_tokens", len(rendered.token_ids), "messages")
         stops = list(req.stop_sequences or [])
         for i, stop in enumerate(stops):
@@ -236,9 +249,11 @@ class ServingMessages:
             stop=stops,
         )
         message_id = random_id("msg_")
-        # Constrained Messages output is refused in the preflight (Chat and Responses only).
-        params.structured_output = await structured_output_preflight(
+        # An output format is refused in the preflight (Chat and Responses only); forced tool
+        # calls are constrained.
+        params.structured_output = await preflight(
             s,
+            tools,
             request=req,
             fmt=req.output_config.format if req.output_config is not None else None,
             param="output_config.format",
@@ -248,11 +263,11 @@ class ServingMessages:
         )
         tracker = s.metrics.tracker("messages")
         if req.stream:
-            return SSEResponse(self._stream(message_id, req, rendered, params, tracker))
+            return SSEResponse(self._stream(message_id, req, rendered, params, tracker, tools))
         final, _ = await run_until_disconnect(
             raw_request, s.collect(message_id, rendered, params, tracker)
         )
-        return await self._full(message_id, req, rendered, params, final)
+        return await self._full(message_id, req, rendered, params, final, tools)
 
     async def _full(
         self,
@@ -261,15 +276,18 @@ class ServingMessages:
         rendered: RenderedPrompt,
         params: SamplingParams,
         final: RequestOutput,
+        tools: ToolRequest | None,
     ) -> dict[str, Any]:
-        reasoning, text = self.s.split_reasoning(rendered, final.text)
-        done = await settle(self.s, rendered, params, final, reasoning, text)
+        reasoning, text, calls = split_output(self.s, rendered, tools, final.text)
+        done = await settle(self.s, rendered, params, final, reasoning, text, calls)
         if isinstance(done, Failed):
             raise done.error
-        content: list[ThinkingBlock | TextBlock] = []
+        content: list[ThinkingBlock | TextBlock | ToolUseBlock] = []
         if done.reasoning:
             content.append(ThinkingBlock(type="thinking", thinking=done.reasoning, signature=""))
-        content.append(TextBlock(type="text", text=done.answer))
+        if done.answer.strip() or not done.tool_calls:
+            content.append(TextBlock(type="text", text=done.answer))
+        content.extend(_tool_use(call) for call in done.tool_calls)
         message = Message(
             id=message_id,
             type="message",
@@ -288,6 +306,7 @@ class ServingMessages:
         rendered: RenderedPrompt,
         params: SamplingParams,
         tracker: RequestTracker,
+        tools: ToolRequest | None,
     ) -> AsyncIterator[str]:
         message = Message(
             id=message_id,
@@ -301,8 +320,11 @@ class ServingMessages:
         )
         yield typed_event(RawMessageStartEvent(type="message_start", message=message))
         blocks = _Blocks()
-        async for piece in generate_pieces(self.s, message_id, rendered, params, tracker):
+        pieces = generate_pieces(self.s, message_id, rendered, params, tracker, tools)
+        async for piece in pieces:
             match piece:
+                case ToolCallDelta(call=call):
+                    out = blocks.tool(call)
                 case ReasoningDelta(text=text):
                     out = blocks.delta(REASONING, text)
                 case AnswerDelta(text=text):

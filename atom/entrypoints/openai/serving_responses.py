@@ -15,6 +15,9 @@ from openai.types.responses import (
     ResponseCreatedEvent,
     ResponseError,
     ResponseFailedEvent,
+    ResponseFunctionCallArgumentsDeltaEvent,
+    ResponseFunctionCallArgumentsDoneEvent,
+    ResponseFunctionToolCall,
     ResponseIncompleteEvent,
     ResponseInProgressEvent,
     ResponseOutputItemAddedEvent,
@@ -40,8 +43,10 @@ from atom.entrypoints.openai.pieces import (
     Failed,
     Finished,
     ReasoningDelta,
+    ToolCallDelta,
     generate_pieces,
     settle,
+    split_output,
 )
 from atom.entrypoints.openai.protocol import (
     ResponsesContentPart,
@@ -56,10 +61,11 @@ from atom.entrypoints.openai.serving_engine import (
     ServingContext,
     random_id,
     run_until_disconnect,
-    structured_output_preflight,
 )
 from atom.entrypoints.openai.sse import SSEResponse, typed_event, wire
+from atom.entrypoints.openai.tool_calls import ToolRequest, preflight, read_tools
 from atom.entrypoints.reasoning import REASONING, TEXT
+from atom.entrypoints.tool_parsers import ToolCall
 from atom.model_engine.output import RequestOutput
 from atom.sampling_params import SamplingParams
 
@@ -134,22 +140,6 @@ def responses_input_to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses function tools are flat; chat templates expect {"type", "function": {...}}."""
-    if not tools:
-        return None
-    out = []
-    for t in tools:
-        if t.get("type", "function") == "function" and "function" not in t:
-            fn = {
-                k: v for k, v in t.items() if k in ("name", "description", "parameters", "strict")
-            }
-            out.append({"type": "function", "function": fn})
-        else:
-            out.append(t)
-    return out
-
-
 class ServedResponse(Response):
     """The SDK's `Response` as this server sends it: integer timestamps, as the OpenAI API sends
     them (the SDK types them as floats)."""
@@ -158,7 +148,19 @@ class ServedResponse(Response):
     completed_at: int | None = None  # type: ignore[assignment]
 
 
-OutputItem = ResponseReasoningItem | ResponseOutputMessage
+OutputItem = ResponseReasoningItem | ResponseOutputMessage | ResponseFunctionToolCall
+
+
+def _function_call(call: ToolCall, arguments: str | None = None) -> ResponseFunctionToolCall:
+    """A function_call item (``arguments`` instead of the call's while it streams)."""
+    return ResponseFunctionToolCall(
+        type="function_call",
+        id=random_id("fc_"),
+        call_id=random_id("call_"),
+        name=call.name,
+        arguments=call.arguments if arguments is None else arguments,
+        status="completed" if arguments is None else "in_progress",
+    )
 
 
 def _failure(message: str) -> ResponseError:
@@ -314,13 +316,50 @@ class _Events:
             ),
         ]
 
+    def function_call(self, call: ToolCall) -> list[str]:
+        """A function_call item: added, its arguments (one delta), done."""
+        events = self.close("completed")
+        item = _function_call(call, arguments="")
+        self.output.append(item)
+        index = len(self.output) - 1
+        where = {"item_id": item.id, "output_index": index}
+        done = item.model_copy(update={"arguments": call.arguments, "status": "completed"})
+        self.output[-1] = done
+        return [
+            *events,
+            self._event(
+                ResponseOutputItemAddedEvent,
+                "response.output_item.added",
+                output_index=index,
+                item=item,
+            ),
+            self._event(
+                ResponseFunctionCallArgumentsDeltaEvent,
+                "response.function_call_arguments.delta",
+                delta=call.arguments,
+                **where,
+            ),
+            self._event(
+                ResponseFunctionCallArgumentsDoneEvent,
+                "response.function_call_arguments.done",
+                arguments=call.arguments,
+                **where,
+            ),
+            self._event(
+                ResponseOutputItemDoneEvent,
+                "response.output_item.done",
+                output_index=index,
+                item=done,
+            ),
+        ]
+
     def finish(self, done: Finished) -> list[str]:
-        """Close the open item with the response's status; a response always ends with a
-        message item (empty when the answer is); then the terminal event."""
+        """Close the open item with the response's status; a response without function calls
+        always ends with a message item (empty when the answer is); then the terminal event."""
         ending = _ending(done)
         status = ending["status"]
         events = self.close(status)
-        if not any(item.type == "message" for item in self.output):
+        if not any(item.type in ("message", "function_call") for item in self.output):
             events += self.open(TEXT) + self.close(status)
         response = self._response(**ending, completed_at=int(time.time()), usage=_usage(done))
         cls = ResponseIncompleteEvent if status == "incomplete" else ResponseCompletedEvent
@@ -350,9 +389,10 @@ class ServingResponses:
             )
         effort = req.reasoning.effort if req.reasoning is not None else None
         thinking = s.resolve_thinking(effort, None, "reasoning.effort")
-        tools = _template_tools(s.filter_tools(req.tools, "tools"))
+        tools = read_tools(s, req.tools, req.tool_choice, req.parallel_tool_calls, flat=True)
         messages = responses_input_to_messages(req)
-        rendered = await s.render_async(messages, thinking, tools, "input")
+        definitions = tools.definitions if tools is not None else None
+        rendered = await s.render_async(messages, thinking, definitions, "input")
         cap = s.resolve_cap(
             req.max_output_tokens, "max_output_tokens", len(rendered.token_ids), "input"
         )
@@ -364,8 +404,9 @@ class ServingResponses:
         )
         response_id = random_id("resp_")
         # STRUCTURED-OUTPUT HOOK (text.format): see serving_engine.structured_output_preflight.
-        params.structured_output = await structured_output_preflight(
+        params.structured_output = await preflight(
             s,
+            tools,
             request=req,
             fmt=req.text.format if req.text is not None else None,
             param="text.format",
@@ -376,11 +417,11 @@ class ServingResponses:
         base = self._base(response_id, req)
         tracker = s.metrics.tracker("responses")
         if req.stream:
-            return SSEResponse(self._stream(response_id, base, rendered, params, tracker))
+            return SSEResponse(self._stream(response_id, base, rendered, params, tracker, tools))
         final, _ = await run_until_disconnect(
             raw_request, s.collect(response_id, rendered, params, tracker)
         )
-        return await self._full(base, rendered, params, final)
+        return await self._full(base, rendered, params, final, tools)
 
     def _base(self, response_id: str, req: ResponsesRequest) -> ServedResponse:
         """The response object before any output; request fields are echoed as the SDK types
@@ -427,9 +468,10 @@ class ServingResponses:
         rendered: RenderedPrompt,
         params: SamplingParams,
         final: RequestOutput,
+        tools: ToolRequest | None,
     ) -> dict[str, Any]:
-        reasoning, text = self.s.split_reasoning(rendered, final.text)
-        done = await settle(self.s, rendered, params, final, reasoning, text)
+        reasoning, text, calls = split_output(self.s, rendered, tools, final.text)
+        done = await settle(self.s, rendered, params, final, reasoning, text, calls)
         if isinstance(done, Failed):
             if done.error.status == 503:  # shutting down: the client should retry elsewhere
                 raise done.error
@@ -439,7 +481,9 @@ class ServingResponses:
         output: list[OutputItem] = []
         if done.reasoning or rendered.in_reasoning:
             output.append(_reasoning_item(random_id("rs_"), done.reasoning, ending["status"]))
-        output.append(_message_item(random_id("msg_"), done.answer, ending["status"]))
+        if done.answer.strip() or not done.tool_calls:
+            output.append(_message_item(random_id("msg_"), done.answer, ending["status"]))
+        output.extend(_function_call(call) for call in done.tool_calls)
         finished = {"output": output, "completed_at": int(time.time()), "usage": _usage(done)}
         return wire(base.model_copy(update={**ending, **finished}))
 
@@ -450,6 +494,7 @@ class ServingResponses:
         rendered: RenderedPrompt,
         params: SamplingParams,
         tracker: RequestTracker,
+        tools: ToolRequest | None,
     ) -> AsyncIterator[str]:
         events = _Events(base)
         opening = events.start()
@@ -457,8 +502,11 @@ class ServingResponses:
             opening += events.open(REASONING)
         for event in opening:
             yield event
-        async for piece in generate_pieces(self.s, response_id, rendered, params, tracker):
+        pieces = generate_pieces(self.s, response_id, rendered, params, tracker, tools)
+        async for piece in pieces:
             match piece:
+                case ToolCallDelta(call=call):
+                    out = events.function_call(call)
                 case ReasoningDelta(text=text):
                     out = events.delta(REASONING, text)
                 case AnswerDelta(text=text):

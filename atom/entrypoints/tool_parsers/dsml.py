@@ -1,0 +1,108 @@
+"""DSML, DeepSeek V4's tool-call markup (``｜DSML｜`` is one token of its tokenizer)::
+
+    <｜DSML｜tool_calls>
+    <｜DSML｜invoke name="get_weather">
+    <｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>
+    <｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>
+    </｜DSML｜invoke>
+    </｜DSML｜tool_calls>
+
+A ``string="true"`` value is raw text; ``string="false"`` is JSON. The parameter's schema has the
+last word: raw text for a non-string parameter is read as JSON when it parses, JSON for a string
+parameter that does not parse stays text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from atom.entrypoints.tool_parsers.base import ToolCall, ToolParseError, ToolParser
+from atom.structured_output.tool_grammar import is_plain_string
+
+DSML = "｜DSML｜"
+INVOKE = re.compile(rf'\s*<{DSML}invoke name="([^"]*)">(.*?)</{DSML}invoke>\s*', re.DOTALL)
+PARAMETER = re.compile(
+    rf'\s*<{DSML}parameter name="([^"]*)" string="(true|false)">(.*?)</{DSML}parameter>\s*',
+    re.DOTALL,
+)
+
+
+def _types(schema: Any) -> set[str]:
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    return {kind} if isinstance(kind, str) else set(kind or ())
+
+
+def coerce(raw: str, is_string: bool, schema: Any) -> Any:
+    """A parameter's value, read as its ``string`` flag says, corrected by its schema."""
+    types = _types(schema)
+    if is_string and (not types or "string" in types):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        if is_string or "string" in types:
+            return raw
+        raise ToolParseError(f"the value {raw[:40]!r} is not JSON") from None
+
+
+def _whole(pattern: re.Pattern[str], text: str) -> list[re.Match[str]]:
+    """The matches of ``pattern`` tiling ``text`` (raises when anything but whitespace is left
+    over)."""
+    matches, pos = [], 0
+    for m in pattern.finditer(text):
+        if m.start() != pos:
+            break
+        matches.append(m)
+        pos = m.end()
+    if text[pos:].strip():
+        raise ToolParseError("unexpected text in a DSML envelope")
+    return matches
+
+
+class DsmlParser(ToolParser):
+    name = "dsml"
+    start = f"<{DSML}tool_calls>"
+    end = f"</{DSML}tool_calls>"
+
+    def parse_body(self, body: str) -> list[ToolCall]:
+        calls = []
+        for invoke in _whole(INVOKE, body):
+            name = invoke.group(1)
+            props = self.tools.get(name, {}).get("properties", {})
+            arguments = {
+                p.group(1): coerce(p.group(3), p.group(2) == "true", props.get(p.group(1)))
+                for p in _whole(PARAMETER, invoke.group(2))
+            }
+            calls.append(self.known(name, arguments))
+        if not calls:
+            raise ToolParseError("a DSML envelope without an invoke")
+        return calls
+
+    def render_calls(self, calls: Sequence[ToolCall]) -> str:
+        """As the grammar writes them: raw text for a plain string parameter, else JSON."""
+        lines = [self.start]
+        for call in calls:
+            lines.append(f'<{DSML}invoke name="{call.name}">')
+            props = self.tools.get(call.name, {}).get("properties", {})
+            for key, value in json.loads(call.arguments or "{}").items():
+                raw = isinstance(value, str) and is_plain_string(props.get(key, {"type": "string"}))
+                text = value if raw else json.dumps(value, ensure_ascii=False)
+                flag = "true" if raw else "false"
+                lines.append(
+                    f'<{DSML}parameter name="{key}" string="{flag}">{text}</{DSML}parameter>'
+                )
+            lines.append(f"</{DSML}invoke>")
+        lines.append(self.end)
+        return "\n".join(lines)
+
+    def instructions(self, tools: Sequence[dict[str, Any]]) -> str:
+        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        example = self.render_calls([ToolCall("<function-name>", '{"<parameter>": "<value>"}')])
+        return (
+            f"## Tools\nYou have access to these functions:\n{listed}\nTo call functions, "
+            'write them in this format (string="true" for a string value written as is, '
+            f'string="false" for any other value written as JSON):\n{example}'
+        )

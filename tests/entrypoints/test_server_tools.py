@@ -1,0 +1,339 @@
+"""Tool calling through the official SDKs against uvicorn on the embedded SmolLM2 (json-tags
+format): forced calls are grammar-constrained, so even the 135M model writes a valid call whose
+arguments match the tool's schema; the SDKs' tool loops (call -> result -> answer) run end to
+end, streaming and not."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather forecast of a city",
+            "parameters": WEATHER,
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def client(openai_client):
+    return openai_client
+
+
+def _check_weather_args(arguments: str) -> dict:
+    args = json.loads(arguments)
+    assert set(args) == {"city", "days"} and isinstance(args["city"], str)
+    assert len(args["city"]) <= 20 and 1 <= args["days"] <= 7
+    return args
+
+
+def test_chat_tool_loop_with_a_named_tool(client, model_id, wait_idle):
+    r = client.chat.completions.create(
+        model=model_id, messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=60, temperature=0
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    _check_weather_args(call.function.arguments)
+    # The SDK's loop: the assistant turn with its call, the tool's result, then an answer.
+    history = [
+        *ASK,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"},
+    ]
+    final = client.chat.completions.create(
+        model=model_id, messages=history, tools=TOOLS, tool_choice="none", max_tokens=20
+    )
+    assert final.choices[0].message.content and not final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason in ("stop", "length")
+    wait_idle()
+
+
+def test_chat_required_tool_streams_call_deltas(client, model_id):
+    stream = client.chat.completions.create(
+        model=model_id,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
+        stream=True,
+    )
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        for tc in choice.delta.tool_calls or ():
+            entry = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+            entry["name"] += (tc.function.name or "") if tc.function else ""
+            entry["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    assert list(calls) == [0] and calls[0]["id"]
+    assert calls[0]["name"] in ("get_weather", "get_time")
+    if calls[0]["name"] == "get_weather":
+        _check_weather_args(calls[0]["arguments"])
+    else:
+        assert isinstance(json.loads(calls[0]["arguments"]), dict)
+
+
+def test_chat_stream_accumulates_as_the_sdk_reads_it(client, model_id):
+    with client.chat.completions.stream(
+        model=model_id, messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=60
+    ) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion()
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    _check_weather_args(call.function.arguments)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "x": {"$ref": "http://e/x"},
+                                "$ref": "http://e/x",
+                            },
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools[0].function.parameters",
+        ),
+        ({"response_format": {"type": "json_object"}}, "tools"),  # json-tags: no envelope grammar
+    ],
+)
+def test_bad_tool_requests_are_400_naming_the_field(server, model_id, body, param):
+    payload = {"model": model_id, "messages": ASK, "tools": TOOLS, "max_tokens": 4, **body}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=payload, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_auto_without_a_call_is_an_ordinary_answer(client, model_id):
+    r = client.chat.completions.create(
+        model=model_id,
+        messages=[{"role": "user", "content": "Say hello."}],
+        tools=TOOLS,
+        max_tokens=8,
+        temperature=0,
+    )
+    choice = r.choices[0]
+    if not choice.message.tool_calls:
+        assert choice.finish_reason in ("stop", "length") and choice.message.content
+
+
+# ---- Anthropic Messages -------------------------------------------------------------------------
+ANTHROPIC_TOOLS = [
+    {"name": "get_weather", "description": "The weather forecast", "input_schema": WEATHER},
+    {"name": "get_time", "input_schema": {"type": "object"}},
+]
+
+
+@pytest.fixture(scope="module")
+def anthropic_client(server):
+    return anthropic.Anthropic(
+        base_url=server.url,
+        api_key="unused",
+        max_retries=0,
+        timeout=120,
+        _strict_response_validation=True,
+    )
+
+
+def test_messages_tool_loop(anthropic_client, model_id, wait_idle):
+    m = anthropic_client.messages.create(
+        model=model_id,
+        max_tokens=60,
+        messages=ASK,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )
+    assert m.stop_reason == "tool_use"
+    (use,) = [b for b in m.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and use.id.startswith("toolu_")
+    _check_weather_args(json.dumps(use.input))
+    history = [
+        *ASK,
+        {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny"}],
+        },
+    ]
+    final = anthropic_client.messages.create(
+        model=model_id,
+        max_tokens=16,
+        messages=history,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "none"},
+    )
+    assert final.stop_reason in ("end_turn", "max_tokens")
+    assert [b.type for b in final.content] == ["text"] and final.content[0].text
+    wait_idle()
+
+
+def test_messages_stream_sends_input_json_deltas(anthropic_client, model_id):
+    with anthropic_client.messages.stream(
+        model=model_id,
+        max_tokens=60,
+        messages=ASK,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+    ) as stream:
+        kinds = [event.type for event in stream]
+        message = stream.get_final_message()
+    assert "input_json" in kinds  # the SDK's event for an input_json_delta
+    assert message.stop_reason == "tool_use"
+    (use,) = [b for b in message.content if b.type == "tool_use"]
+    assert use.name in ("get_weather", "get_time")
+    if use.name == "get_weather":
+        _check_weather_args(json.dumps(use.input))
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
+        ({"tool_choice": {"type": "sometimes"}}, "tool_choice"),
+        ({"tools": [{"name": "f", "input_schema": 3}]}, "tools[0].input_schema"),
+    ],
+)
+def test_bad_anthropic_tool_requests_name_the_field(server, model_id, body, param):
+    payload = {"model": model_id, "messages": ASK, "tools": ANTHROPIC_TOOLS, "max_tokens": 4}
+    r = httpx.post(f"{server.url}/v1/messages", json={**payload, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error" and param in r.json()["error"]["message"]
+
+
+# ---- OpenAI Responses ---------------------------------------------------------------------------
+RESPONSES_TOOLS = [
+    {"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True},
+    {"type": "function", "name": "get_time", "parameters": {"type": "object"}, "strict": False},
+]
+NAMED_RESPONSES = {"type": "function", "name": "get_weather"}
+
+
+def test_responses_tool_loop(client, model_id, wait_idle):
+    r = client.responses.create(
+        model=model_id,
+        input=ASK,
+        tools=RESPONSES_TOOLS,
+        tool_choice=NAMED_RESPONSES,
+        max_output_tokens=60,
+        temperature=0,
+    )
+    assert r.status == "completed"
+    assert [item.type for item in r.output] == ["function_call"]
+    call = r.output[0]
+    assert call.name == "get_weather" and call.call_id and call.status == "completed"
+    _check_weather_args(call.arguments)
+    follow = [
+        *ASK,
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"},
+    ]
+    final = client.responses.create(
+        model=model_id,
+        input=follow,
+        tools=RESPONSES_TOOLS,
+        tool_choice="none",
+        max_output_tokens=16,
+    )
+    assert [item.type for item in final.output] == ["message"] and final.output_text
+    wait_idle()
+
+
+def test_responses_parse_of_a_tool_only_turn(client, model_id):
+    """A strict function's call is parsed by the SDK; the turn has no text to validate."""
+    r = client.responses.parse(
+        model=model_id,
+        input=ASK,
+        tools=RESPONSES_TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=60,
+    )
+    (call,) = r.output
+    assert call.type == "function_call"
+    if call.name == "get_weather":
+        assert call.parsed_arguments == json.loads(call.arguments)
+        _check_weather_args(call.arguments)
+
+
+def test_responses_stream_function_call_events(client, model_id):
+    stream = client.responses.create(
+        model=model_id,
+        input=ASK,
+        tools=RESPONSES_TOOLS,
+        tool_choice=NAMED_RESPONSES,
+        max_output_tokens=60,
+        stream=True,
+    )
+    events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert "response.function_call_arguments.delta" in kinds
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    _check_weather_args(done.arguments)
+    final = events[-1]
+    assert final.type == "response.completed"
+    assert [item.type for item in final.response.output] == ["function_call"]
+    assert final.response.output[0].arguments == done.arguments
+
+
+def test_strict_tool_under_auto_is_a_valid_call_or_text(client, model_id):
+    strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
+    r = client.chat.completions.create(
+        model=model_id, messages=ASK, tools=strict, max_tokens=40, temperature=0
+    )
+    choice = r.choices[0]
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        for call in choice.message.tool_calls:
+            _check_weather_args(call.function.arguments)
+    else:
+        assert choice.message.content
