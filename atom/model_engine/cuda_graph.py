@@ -87,21 +87,28 @@ class DecodeGraphs:
         return self.sizes[i] if i < len(self.sizes) else None
 
     def replay_packed(
-        self, step: StepInputs, input_ids: torch.Tensor, cu_seqlens_q: torch.Tensor, size: int
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        size: int,
     ) -> torch.Tensor:
-        """Replay a verification step (unpadded `step`, at most `query_len` tokens a sequence,
-        its row offsets `cu_seqlens_q` on the device) in the graph of `size` sequences; returns
-        the hidden states of its rows, packed as in the step. Padding: the sequences past the batch get an empty row range and no context,
-        the rows past the step's tokens slot -1."""
-        num_seqs, width = step.block_tables.shape
+        """Replay a step of at most `query_len` tokens a sequence, unpadded (its row offsets
+        `cu_seqlens_q` on the device), in the graph of `size` sequences; returns the hidden
+        states of its rows, packed as given. Padding: the sequences past the batch get an
+        empty row range and no context, the rows past the step's tokens slot -1."""
+        num_seqs, width = block_tables.shape
         tokens = input_ids.size(0)
         self.slot_mapping.fill_(-1)
         self.input_ids[:tokens].copy_(input_ids, non_blocking=True)
-        self.positions[:tokens].copy_(step.positions, non_blocking=True)
-        self.slot_mapping[:tokens].copy_(step.slot_mapping, non_blocking=True)
-        self.context_lens[:num_seqs].copy_(step.context_lens, non_blocking=True)
+        self.positions[:tokens].copy_(positions, non_blocking=True)
+        self.slot_mapping[:tokens].copy_(slot_mapping, non_blocking=True)
+        self.context_lens[:num_seqs].copy_(context_lens, non_blocking=True)
         self.context_lens[num_seqs:size].zero_()
-        self.block_tables[:num_seqs, :width].copy_(step.block_tables, non_blocking=True)
+        self.block_tables[:num_seqs, :width].copy_(block_tables, non_blocking=True)
         self.cu_seqlens_q[: num_seqs + 1].copy_(cu_seqlens_q)
         self.cu_seqlens_q[num_seqs + 1 : size + 1].fill_(tokens)
         self.graphs[size].replay()

@@ -151,7 +151,7 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, max_num_seqs, max_blocks, self.device, query_len)
         graphs.capture()
         if query_len > 1 and self.speculator is not None:  # the draft model's decode steps
-            self.speculator.capture_graphs(max_num_seqs, max_blocks)
+            self.speculator.capture_graphs(max_num_seqs, max_blocks, query_len)
         return graphs
 
     def kv_cache_info(self) -> dict:
@@ -338,7 +338,16 @@ class ModelRunner:
             cu_seqlens_q = self._to_device(
                 list(accumulate(step.query_lens, initial=0)), torch.int32
             )
-            return self.verify_graphs.replay_packed(step, input_ids, cu_seqlens_q, verify), rows
+            hidden = self.verify_graphs.replay_packed(
+                input_ids,
+                step.positions,
+                step.slot_mapping,
+                step.context_lens,
+                step.block_tables,
+                cu_seqlens_q,
+                verify,
+            )
+            return hidden, rows
         return self._run_eager(step, input_ids), rows
 
     def _verify_size(self, batch: ScheduledBatch) -> int | None:

@@ -13,7 +13,9 @@ draft model again from the first that does not. A preempted sequence (its blocks
 back) starts over. The engine gives a sequence blocks for the positions drafts are written at
 (`needs_slots`) before it asks for a proposal.
 
-On CUDA the k - 1 single-token steps replay the draft model's own decode graphs
+On CUDA the k - 1 single-token steps replay the draft model's own decode graphs, and the first
+step too when every request's unseen tokens are at most k + 1 (what a verification emits, so
+every proposal after a sequence's first) in graphs of that many tokens a sequence
 (`capture_graphs`): every request of the proposal takes each step (a request past its
 `max_drafts` is a padding row: no context, no K/V write), each step's input is the previous
 step's greedy token on the device, and the host reads the drafts once, at the end.
@@ -64,6 +66,7 @@ class DraftModelProposer:
         self.model = build_model(self.hf_config, Path(path), dtype, device)
         self.block_size = 0
         self.graphs: DecodeGraphs | None = None
+        self.chunk_graphs: DecodeGraphs | None = None
         self._seen: dict[int, _Drafted] = {}
 
     def block_bytes(self, block_size: int) -> int:
@@ -83,10 +86,15 @@ class DraftModelProposer:
             layer.self_attn.attn.v_cache = self.kv_cache[1, i]
         self.block_size = block_size
 
-    def capture_graphs(self, max_num_seqs: int, max_blocks: int) -> None:
-        """Decode graphs of the draft model over its cache (after `allocate_cache`, CUDA only)."""
+    def capture_graphs(self, max_num_seqs: int, max_blocks: int, chunk_len: int) -> None:
+        """Graphs of the draft model over its cache (after `allocate_cache`, CUDA only): decode
+        steps, and first steps of up to `chunk_len` unseen tokens a sequence."""
         self.graphs = DecodeGraphs(self.model, max_num_seqs, max_blocks, self.device)
         self.graphs.capture()
+        self.chunk_graphs = DecodeGraphs(
+            self.model, max_num_seqs, max_blocks, self.device, chunk_len
+        )
+        self.chunk_graphs.capture()
 
     def release(self, seq_id: int) -> None:
         self._seen.pop(seq_id, None)
@@ -133,17 +141,17 @@ class DraftModelProposer:
         chunks: list[tuple[int, list[int]]],
         graphs: DecodeGraphs,
     ) -> list[list[int]]:
-        """The first step eagerly (chunks of any length), the others in `graphs`."""
+        """The first step (`_first_step`), the others in `graphs`."""
         steps = max(r.max_drafts for r in requests)
         size = graphs.padded_size(len(requests))
         assert size is not None, "a proposal never has more requests than max_num_seqs"
-        tokens = self._forward(requests, chunks)
         pad = size - len(requests)
         width = max(len(r.block_table) for r in requests)
         tables = [0] * (size * width)
         for i, r in enumerate(requests):
             tables[i * width : i * width + len(r.block_table)] = r.block_table
         block_tables = self._pinned(tables, torch.int32).view(size, width)
+        tokens = self._first_step(requests, chunks, block_tables[: len(requests)])
         drafted = [tokens]
         for step in range(1, steps):
             positions, slots, context_lens = [], [], []
@@ -165,6 +173,43 @@ class DraftModelProposer:
             drafted.append(tokens)
         table = torch.stack(drafted, dim=1).tolist()  # the one host read
         return [row[: r.max_drafts] for row, r in zip(table, requests, strict=True)]
+
+    def _first_step(
+        self,
+        requests: list[DraftRequest],
+        chunks: list[tuple[int, list[int]]],
+        block_tables: torch.Tensor,
+    ) -> torch.Tensor:
+        """The first draft step's greedy tokens: in `chunk_graphs` when every chunk fits."""
+        graphs = self.chunk_graphs
+        lens = [len(t) for _, t in chunks]
+        size = graphs.padded_size(len(requests)) if graphs is not None else None
+        if graphs is None or size is None or max(lens) > graphs.query_len:
+            return self._forward(requests, chunks)
+        ids, positions, slots = self._rows(requests, chunks)
+        ends = list(accumulate(lens))
+        hidden = graphs.replay_packed(
+            self._pinned(ids, torch.long).to(self.device, non_blocking=True),
+            self._pinned(positions, torch.long),
+            self._pinned(slots, torch.long),
+            self._pinned([s + len(t) for s, t in chunks], torch.int32),
+            block_tables,
+            self._pinned([0, *ends], torch.int32).to(self.device, non_blocking=True),
+            size,
+        )
+        last = self._pinned([e - 1 for e in ends], torch.long).to(self.device, non_blocking=True)
+        return self.model.compute_logits(hidden.index_select(0, last)).argmax(dim=-1)
+
+    def _rows(
+        self, requests: list[DraftRequest], chunks: list[tuple[int, list[int]]]
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Input ids, positions and KV slots of the chunks' tokens, packed."""
+        ids, positions, slots = [], [], []
+        for r, (start, tokens) in zip(requests, chunks, strict=True):
+            ids += tokens
+            positions += range(start, start + len(tokens))
+            slots += [self._slot(r, p) for p in range(start, start + len(tokens))]
+        return ids, positions, slots
 
     def _slot(self, request: DraftRequest, position: int) -> int:
         block = request.block_table[position // self.block_size]
@@ -195,11 +240,7 @@ class DraftModelProposer:
     ) -> torch.Tensor:
         """One draft forward over each request's chunk (first position, tokens); returns the
         greedy next token of each, on the device."""
-        ids, positions, slots = [], [], []
-        for r, (start, tokens) in zip(requests, chunks, strict=True):
-            ids += tokens
-            positions += range(start, start + len(tokens))
-            slots += [self._slot(r, p) for p in range(start, start + len(tokens))]
+        ids, positions, slots = self._rows(requests, chunks)
         query_lens = [len(t) for _, t in chunks]
         width = max(len(r.block_table) for r in requests)
         tables = [list(r.block_table) + [0] * (width - len(r.block_table)) for r in requests]

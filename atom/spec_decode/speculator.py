@@ -50,10 +50,10 @@ class Speculator:
         if self.draft_model is not None:
             self.draft_model.allocate_cache(num_blocks, block_size)
 
-    def capture_graphs(self, max_num_seqs: int, max_blocks: int) -> None:
-        """CUDA graphs of the draft model's decode steps (none for n-gram lookup)."""
+    def capture_graphs(self, max_num_seqs: int, max_blocks: int, chunk_len: int) -> None:
+        """CUDA graphs of the draft model's steps (none for n-gram lookup)."""
         if self.draft_model is not None:
-            self.draft_model.capture_graphs(max_num_seqs, max_blocks)
+            self.draft_model.capture_graphs(max_num_seqs, max_blocks, chunk_len)
 
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> dict[int, list[int]]:
         """Next drafts by sequence id (the tokens read so far are the proposer's input), at

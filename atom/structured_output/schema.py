@@ -21,6 +21,7 @@ constrains ($dynamicRef, unsupported formats, ...), and expansions over the shar
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import itertools
 import json
@@ -215,6 +216,44 @@ def _check_keyword(key: str, value: object, pointer: str) -> None:
         raise SchemaError(f"invalid value for {key}", pointer)
 
 
+_NUMERIC_KEYS = (*sorted(_NUMBERS), "multipleOf")
+
+
+@functools.lru_cache(maxsize=4096)
+def _grammar_number_error(kind: str, keywords: tuple[tuple[str, object], ...]) -> str | None:
+    """llguidance's own error for a ``kind`` ("integer" or "number") with these bounds, or None:
+    it cannot build the regex of some ranges (an integer minimum near 2**63, a float bound of
+    1e19) nor a ``multipleOf`` of more than 32 bits of decimal digits, which the schema compile
+    on the ranks would refuse without a pointer."""
+    from llguidance import LLMatcher
+
+    schema = json.dumps({"type": kind, **dict(keywords)})
+    try:
+        return LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema)) or None
+    except Exception as exc:  # noqa: BLE001 - any refusal is a refusal
+        return str(exc) or type(exc).__name__
+
+
+def _check_numbers(node: dict, pointer: str) -> None:
+    """The numeric keywords of one schema object, as the grammar compiler will read them."""
+    keywords = tuple((k, node[k]) for k in _NUMERIC_KEYS if k in node and _is_number(node[k]))
+    if not keywords:
+        return
+    types = _types(node["type"]) if "type" in node else ["number"]
+    for kind in ("integer", "number"):
+        if kind not in types or _grammar_number_error(kind, keywords) is None:
+            continue
+        for key, value in keywords:  # name the keyword that fails alone, else the first
+            error = _grammar_number_error(kind, ((key, value),))
+            if error is not None:
+                break
+        else:
+            key, error = keywords[0][0], _grammar_number_error(kind, keywords)
+        raise SchemaError(
+            f"{key} cannot be enforced by the grammar compiler: {error}", _child(pointer, key)
+        )
+
+
 def _check_shapes(schema: object) -> None:
     """Every schema position (as ``referencing`` crawls them) holds a well-formed schema."""
     stack: list[tuple[object, str]] = [(schema, "")]
@@ -237,6 +276,7 @@ def _check_shapes(schema: object) -> None:
                 stack.extend(
                     (v, _child(at, k)) for k, v in value.items() if not isinstance(v, list)
                 )
+        _check_numbers(node, pointer)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -108,26 +108,34 @@ class ServerProcess:
         return self.proc.returncode, time.monotonic() - started
 
 
-@pytest.fixture
-def server_flags() -> list[str]:
-    return list(SERVER_FLAGS)
+DRAIN_TIMEOUT_S = 4.0  # --shutdown-timeout of the server that test_sigterm_drain stops
+
+
+def drain_flags() -> list[str]:
+    flags = list(SERVER_FLAGS)
+    flags[flags.index("--shutdown-timeout") + 1] = str(DRAIN_TIMEOUT_S)
+    return flags
 
 
 @pytest.fixture(scope="session")
-def start_server(smollm2_dir):
-    """``start(flags=SERVER_FLAGS)``: a started server, stopped at the end of the session."""
-    started: list[ServerProcess] = []
+def servers(smollm2_dir):
+    """``servers.start(flags)``: a server process (not yet ready) that the session stops at its
+    end with SIGTERM, asserting a prompt exit 0: with nothing in flight, the drain has nothing
+    to wait for (one that a test stopped already is left as it ended)."""
 
-    def start(flags: list[str] | None = None) -> ServerProcess:
-        srv = ServerProcess(smollm2_dir, SERVER_FLAGS if flags is None else flags)
-        started.append(srv)
-        return srv.wait_ready()
+    class Servers:
+        def __init__(self):
+            self.started: dict[str, ServerProcess] = {}
 
-    yield start
-    # A server with nothing in flight exits 0 at once on SIGTERM (the drain has nothing to wait
-    # for); one that a test stopped already is left as it ended.
+        def start(self, name: str, flags: list[str]) -> ServerProcess:
+            if name not in self.started:
+                self.started[name] = ServerProcess(smollm2_dir, flags)
+            return self.started[name]
+
+    pool = Servers()
+    yield pool
     failures = []
-    for srv in started:
+    for srv in pool.started.values():
         if srv.proc.poll() is not None:
             continue
         code, took = srv.stop()
@@ -137,9 +145,17 @@ def start_server(smollm2_dir):
 
 
 @pytest.fixture(scope="session")
-def served(start_server) -> ServerProcess:
-    """The server that the limit, bad-input, slow-client and load suites share."""
-    return start_server()
+def served(servers) -> ServerProcess:
+    """The server that the limit, bad-input, slow-client and load suites share. The drain
+    suite's own server starts beside it, so that the two load at once."""
+    srv = servers.start("shared", SERVER_FLAGS)
+    servers.start("drain", drain_flags())
+    return srv.wait_ready()
+
+
+@pytest.fixture
+def drain_server(servers) -> ServerProcess:
+    return servers.start("drain", drain_flags()).wait_ready()
 
 
 @pytest.fixture(scope="session")

@@ -63,6 +63,8 @@ def _schemas() -> dict[str, object]:
         "min_length_1e9": {"type": "string", "minLength": 10**9},
         "bound_1e308": {"type": "integer", "minimum": 1e308},
         "bound_max_1e308": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 1e308}}},
+        "bound_min_2_63": {"type": "integer", "minimum": 2**63},
+        "multiple_of_digits": {"type": "number", "multipleOf": 0.123456789},
         "big_const": {"const": 2**60 + 1},
         "unique_items_huge": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "minItems": 10**6},
         "not_a_schema": {"type": "banana"},
@@ -242,6 +244,12 @@ def test_bad_input_corpus_is_4xx_and_health_answers_throughout(served, model_id,
                  "nested_array_100k", "nan_literal", "lone_surrogate_escape"):  # fmt: skip
         assert by_name[name][0] == 400, (name, by_name[name])
     assert "/minimum" in by_name["schema_bound_1e308"][1]  # the JSON pointer of the bound
+    for name, pointer in (
+        ("schema_bound_min_2_63", "/minimum"),
+        ("schema_multiple_of_digits", "/multipleOf"),
+    ):
+        status, text = by_name[name]
+        assert status == 400 and pointer in text and "invalid_response_format" in text, text
     assert max(sampler.latencies) < 1.0, sorted(sampler.latencies)[-5:]
     r = httpx.post(f"{served.url}{CHAT}", json=_chat(model_id), timeout=60)
     assert r.status_code == 200, r.text

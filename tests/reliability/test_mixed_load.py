@@ -138,7 +138,7 @@ def check_round(outcomes: list[Outcome]) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_mixed_load_with_cancellations_short(served, model_id, wait_idle):
-    outcomes = run_round(served.url, model_id, n=36, concurrency=8, seed=1)
+    outcomes = run_round(served.url, model_id, n=24, concurrency=8, seed=1)
     figures = check_round(outcomes)
     assert figures["cancelled"] > 0 and figures["constrained_valid"] > 0, figures
     m = wait_idle(served)

@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-TIMEOUT_S = 4.0
+TIMEOUT_S = 4.0  # conftest.DRAIN_TIMEOUT_S
 PROMPT = "Repeat the word hello five hundred times."
 LONG = 400  # output tokens: far more than a CPU makes within TIMEOUT_S
 
@@ -73,10 +73,8 @@ def _assert_shutdown_error(err: dict) -> None:
     assert "shutting down" in err["message"], err
 
 
-def test_sigterm_drains_then_ends_every_request_with_its_terminal_event(start_server, server_flags):
-    flags = list(server_flags)
-    flags[flags.index("--shutdown-timeout") + 1] = str(TIMEOUT_S)
-    srv = start_server(flags)
+def test_sigterm_drains_then_ends_every_request_with_its_terminal_event(drain_server):
+    srv = drain_server
     model_id = httpx.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]["id"]
     results: dict[str, tuple] = {}
     threads = []

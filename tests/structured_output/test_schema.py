@@ -511,3 +511,38 @@ def test_a_member_without_complement_falls_back_before_the_budget_is_spent() -> 
     patterns = [{"pattern": f"^v[0-9]$|z{i}"} for i in range(300)]
     lowered = prepare_schema({"enum": ["v1", "w"], "not": {"allOf": patterns}}).lowered
     assert lowered["allOf"] == [{"enum": ["w"]}]
+
+
+@pytest.mark.parametrize(
+    ("schema", "pointer"),
+    [
+        ({"type": "integer", "minimum": 2**63 - 2}, "/minimum"),
+        ({"type": "integer", "exclusiveMinimum": 2**63 - 2}, "/exclusiveMinimum"),
+        ({"type": "integer", "maximum": -(2**63) + 1}, "/maximum"),
+        ({"properties": {"n": {"type": "number", "minimum": 1.5e19}}}, "/properties/n/minimum"),
+        ({"maximum": 1.5e19}, "/maximum"),  # untyped bounds are float ranges
+        ({"type": "number", "multipleOf": 0.123456789}, "/multipleOf"),
+        ({"type": "integer", "multipleOf": 4294967296}, "/multipleOf"),
+        (
+            {"anyOf": [{"type": "integer"}, {"type": "number", "multipleOf": 1e-15}]},
+            "/anyOf/1/multipleOf",
+        ),
+    ],
+)
+def test_bounds_the_grammar_compiler_cannot_build_are_refused_with_a_pointer(schema, pointer):
+    # Was: accepted here, then refused by the compile on the ranks without a pointer.
+    rejects(schema, pointer, "cannot be enforced by the grammar compiler")
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "integer", "maximum": 2**64 - 1},
+        {"type": "integer", "minimum": -(2**62), "maximum": 2**62},
+        {"type": "number", "multipleOf": 0.01, "minimum": 0.28, "maximum": 0.3},
+        {"type": "number", "multipleOf": 4294967295},
+        {"type": "number", "maximum": 1e-300, "minimum": 0},
+    ],
+)
+def test_bounds_the_grammar_compiler_builds_are_accepted(schema):
+    prepare_schema(schema)
