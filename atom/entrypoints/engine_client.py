@@ -44,6 +44,10 @@ class EngineClient(Protocol):
         """Queue and KV-cache gauges, read at /metrics scrape time."""
         ...
 
+    def check_health(self) -> None:
+        """Raise `EngineDeadError` once the engine can no longer serve (/health answers 503)."""
+        ...
+
     def structured_output_stats(self) -> dict[str, int]:
         """Live grammar states and cached grammars over every rank, read at scrape time."""
         ...

@@ -9,33 +9,62 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from atom.config import EngineConfig
 from atom.model_engine.engine_core import EngineCore, OutputHandler
-from atom.model_engine.executor import InProcExecutor
+from atom.model_engine.executor import Executor, InProcExecutor
 from atom.model_engine.output import EngineStats, RequestOutput
 from atom.model_engine.sequence import Sequence
 from atom.model_engine.tokenizer import eos_token_ids, load_tokenizer
 from atom.model_loader import resolve_model, served_name
 from atom.model_loader.weights import load_hf_config
+from atom.models.llama import check_tensor_parallel
 from atom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Builds the ranks of a replica: (config, model folder, HF config) -> Executor.
+ExecutorFactory = Callable[[EngineConfig, Path, Any], Executor]
+
+
+def default_executor(config: EngineConfig, path: Path, hf_config: Any) -> Executor:
+    """One rank in this process, or one worker process per tensor-parallel rank."""
+    if config.tensor_parallel_size == 1:
+        return InProcExecutor(config, path, hf_config)
+    from atom.model_engine.multiproc_executor import MultiprocExecutor
+
+    return MultiprocExecutor(config, path, hf_config)
+
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
-        if config.data_parallel_size != 1 or config.tensor_parallel_size != 1:
-            raise ValueError("this build runs one replica of one rank (dp=1, tp=1)")
+    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory | None = None):
+        if config.data_parallel_size != 1:
+            raise ValueError("data_parallel_size: this build runs one replica")
         path = resolve_model(config)
         self.model_name = served_name(config, path)
         self.hf_config = load_hf_config(path)
+        check_tensor_parallel(self.hf_config, config.tensor_parallel_size)
         self.tokenizer = load_tokenizer(config.tokenizer or path)
         self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer)
         config = dataclasses.replace(config, model=str(path))
-        self.executor = executor = InProcExecutor(config, path, self.hf_config)
-        num_blocks = min(info["num_blocks"] for info in executor.collective_rpc("kv_cache_info"))
-        rank0 = executor.collective_rpc("describe")[0]
+        make_executor = executor_factory or default_executor
+        self.executor = make_executor(config, path, self.hf_config)
+        try:
+            self._build_cores(config, path)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self._route: dict[str, EngineCore] = {}
+        self._lock = threading.Lock()
+
+    def _build_cores(self, config: EngineConfig, path: Path) -> None:
+        """Size the KV cache by the smallest rank's and build the replica's engine core."""
+        infos = self.executor.collective_rpc("kv_cache_info")
+        num_blocks = min(info["num_blocks"] for info in infos)
+        rank0 = self.executor.collective_rpc("describe")[0]
         capacity = num_blocks * config.block_size
         max_len = min(self.hf_config.max_position_embeddings, capacity)
         if config.max_model_len is not None and config.max_model_len > max_len:
@@ -50,10 +79,8 @@ class LLMEngine:
             dtype=rank0["dtype"].removeprefix("torch."),
         )
         self.cores = [
-            EngineCore(self.config, executor, self.tokenizer, self.eos_token_ids, num_blocks)
+            EngineCore(self.config, self.executor, self.tokenizer, self.eos_token_ids, num_blocks)
         ]
-        self._route: dict[str, EngineCore] = {}
-        self._lock = threading.Lock()
         logger.info(
             "model %s (%s), dtype %s, device %s, KV cache %d tokens (%d blocks of %d), "
             "max_model_len %d",
@@ -73,6 +100,7 @@ class LLMEngine:
         """Validate and queue one request (a `ValueError` names what is wrong). Nothing waits
         here: a constrained request waits in its replica's scheduler until its grammar is bound
         on every rank, and a grammar that cannot compile ends it with finish reason "error"."""
+        self.executor.check_health()
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         if params.logprobs is not None and self.config.speculative_method is not None:
@@ -107,6 +135,10 @@ class LLMEngine:
         outputs = [out for core in self.cores for out in core.step()]
         self._forget_finished(outputs)
         return outputs
+
+    def check_health(self) -> None:
+        """Raise `EngineDeadError` once a rank has died or hung (the server answers 503)."""
+        self.executor.check_health()
 
     def has_unfinished_requests(self) -> bool:
         return any(core.has_unfinished() for core in self.cores)

@@ -54,6 +54,9 @@ class ScriptedEngine:
     def structured_output_stats(self):
         return {}
 
+    def check_health(self):
+        return None
+
 
 def outputs(*deltas: str, reason: str = "stop", stop=None, error=None) -> list[RequestOutput]:
     """One engine step per delta, one token each; the last one finishes with `reason`."""

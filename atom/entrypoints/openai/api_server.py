@@ -95,6 +95,7 @@ def build_app(engine: EngineClient, server_config: ServerConfig | None = None) -
 
     @app.get("/health")
     async def health() -> dict[str, str]:
+        engine.check_health()  # a dead rank: 503
         return {"status": "ok"}
 
     @app.get("/metrics", include_in_schema=False)
