@@ -79,7 +79,7 @@ class MultiprocExecutor(Executor):
             stats_child.close()
             self.ranks.append(_Rank(rank, process, conn, stats_conn))
         try:
-            self._gather("start", time.monotonic() + self.timeout_s)
+            self._gather("start", time.monotonic() + self.timeout_s, self.timeout_s)
         except Exception:
             self.shutdown()
             raise
@@ -104,7 +104,8 @@ class MultiprocExecutor(Executor):
             raise EngineDeadError(self._dead)
 
     def collective_rpc(self, method: str, *args, timeout: float | None = None, **kwargs) -> list:
-        deadline = time.monotonic() + (timeout or self.timeout_s)
+        timeout = timeout or self.timeout_s
+        deadline = time.monotonic() + timeout
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(self._dead)
@@ -113,14 +114,14 @@ class MultiprocExecutor(Executor):
                     r.conn.send((method, args, kwargs))
                 except OSError as e:
                     raise self._die(f"rank {r.rank} is unreachable: {e}") from None
-            return self._gather(method, deadline)
+            return self._gather(method, deadline, timeout)
 
-    def _gather(self, method: str, deadline: float) -> list:
+    def _gather(self, method: str, deadline: float, timeout: float) -> list:
         """Every rank's answer to the call just sent; the first rank error is raised once all
         have answered, so the pipes stay in step."""
         results, errors = [], []
         for r in self.ranks:
-            status, value = self._reply(r, method, deadline)
+            status, value = self._reply(r, method, deadline, timeout)
             results.append(value)
             if status == "error":
                 errors.append(f"rank {r.rank}: {method} failed: {value}")
@@ -128,7 +129,7 @@ class MultiprocExecutor(Executor):
             raise RuntimeError(errors[0])
         return results
 
-    def _reply(self, r: _Rank, method: str, deadline: float) -> tuple[str, Any]:
+    def _reply(self, r: _Rank, method: str, deadline: float, timeout: float) -> tuple[str, Any]:
         ready = wait([r.conn, r.process.sentinel], timeout=max(0.0, deadline - time.monotonic()))
         if r.conn in ready:
             try:
@@ -138,7 +139,7 @@ class MultiprocExecutor(Executor):
         if ready:
             r.process.join(1.0)
             raise self._die(f"rank {r.rank} died during {method} (exit code {r.process.exitcode})")
-        raise self._die(f"rank {r.rank} did not answer {method} within {self.timeout_s:.0f} s")
+        raise self._die(f"rank {r.rank} did not answer {method} within {timeout:g} s")
 
     def _die(self, reason: str) -> EngineDeadError:
         """Mark the executor dead and stop every rank left; the error to raise."""

@@ -9,12 +9,16 @@ single-rank forward closely enough that every greedy choice is the same.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import signal
 import time
 
 import pytest
 
 from atom.config import EngineConfig
+from atom.model_engine.errors import EngineDeadError
 from atom.model_engine.llm_engine import LLMEngine
 from atom.model_engine.multiproc_executor import MultiprocExecutor
 from atom.sampling_params import SamplingParams
@@ -43,20 +47,28 @@ def engines(tiny_llama_dir):
     one.shutdown()
 
 
-def _run(engine: LLMEngine, prompts, params: SamplingParams) -> list[list[int]]:
-    """Every prompt's output tokens, in prompt order (all batched together)."""
+def _run(engine: LLMEngine, prompts, params: SamplingParams) -> list[list[tuple[int, float]]]:
+    """Every prompt's output tokens with their raw logprobs, in prompt order (all batched
+    together)."""
     rids = [f"r{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
     for rid, ids in zip(rids, prompts, strict=True):
-        engine.add_request(rid, ids, params)
-    done = {}
+        engine.add_request(rid, ids, dataclasses.replace(params, logprobs=0))
+    done: dict[str, list[tuple[int, float]]] = {rid: [] for rid in rids}
     deadline = time.monotonic() + 120
     while engine.has_unfinished_requests():
         assert time.monotonic() < deadline, "generation did not finish"
         for out in engine.step():
-            if out.finished:
-                assert out.error is None, out.error
-                done[out.request_id] = list(out.output_token_ids)
+            assert out.error is None, out.error
+            done[out.request_id] += [(lp.token_id, lp.logprob) for lp in out.logprobs or []]
     return [done[rid] for rid in rids]
+
+
+def _assert_same(got, expected) -> None:
+    """Same tokens; logprobs equal up to float32 summation order (an all-reduce adds the
+    ranks' partial sums in another order than one rank's matmul)."""
+    assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in expected]
+    for row, want in zip(got, expected, strict=True):
+        assert [lp for _, lp in row] == pytest.approx([lp for _, lp in want], abs=1e-4)
 
 
 def _admitted_spec(engine: LLMEngine):
@@ -91,7 +103,7 @@ def test_greedy_parity_unconstrained(engines):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     expected = _run(one, PROMPTS, params)
     assert all(len(t) == 24 for t in expected)
-    assert _run(two, PROMPTS, params) == expected
+    _assert_same(_run(two, PROMPTS, params), expected)
 
 
 def test_greedy_parity_constrained(engines):
@@ -104,8 +116,9 @@ def test_greedy_parity_constrained(engines):
     params2 = SamplingParams(max_tokens=48, temperature=0.0, structured_output=spec2)
     expected = _run(one, PROMPTS[:2], params1)
     got = _run(two, PROMPTS[:2], params2)
-    assert got == expected
-    for tokens in got:
+    _assert_same(got, expected)
+    for row in got:
+        tokens = [t for t, _ in row]
         text = two.tokenizer.decode(tokens, skip_special_tokens=True)
         if len(tokens) < 48:  # finished inside its budget: a complete answer
             assert set(json.loads(text)) == {"name", "n"}
@@ -128,3 +141,20 @@ def test_a_split_the_heads_do_not_allow_is_refused_before_any_rank_starts(tiny_l
 def test_speculative_decoding_with_several_ranks_is_refused():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=2, speculative_method="ngram", num_speculative_tokens=2)
+
+
+def test_a_hung_rank_makes_the_engine_dead_within_the_timeout(engines):
+    """Last: it ends the module's two-rank engine. A stopped rank (SIGSTOP) answers nothing."""
+    _, two = engines
+    os.kill(two.executor.pids[1], signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="rank 1 did not answer describe within 2 s"):
+        two.executor.collective_rpc("describe", timeout=2.0)
+    assert time.monotonic() - start < 10
+    with pytest.raises(EngineDeadError, match="engine is dead"):
+        two.check_health()
+    with pytest.raises(EngineDeadError):
+        two.add_request("after", [1, 2, 3], SamplingParams(max_tokens=2))
+    for rank in two.executor.ranks:  # killed with the engine, stopped or not
+        rank.process.join(10)
+        assert rank.process.exitcode is not None
