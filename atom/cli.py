@@ -94,6 +94,7 @@ def _add_parallel_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
     sizes = {
         "tensor_parallel_size": "ranks the model is sharded over (one worker process each)",
         "pipeline_parallel_size": "pipeline parallelism is not supported: only 1 is accepted",
+        "data_parallel_size": "replicas of the engine, each with its own ranks (processes)",
     }
     for name, text in sizes.items():
         flag = "--" + name.replace("_", "-")
@@ -125,6 +126,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         structured_output_whitespace=args.structured_output_whitespace,

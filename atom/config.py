@@ -42,7 +42,10 @@ class EngineConfig:
     # pipeline parallelism is not supported (refused).
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Replicas: whole engines (scheduler + ranks) requests are spread over (llm_engine.py);
+    # `data_parallel_rank` is set by the engine for each one (its ranks' devices follow it).
     data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     # The longest a rank may take to start or to answer one collective call (a step, an RPC)
     # before the engine is declared dead; a rank that exits is noticed at once.
     worker_timeout_s: float = 600.0

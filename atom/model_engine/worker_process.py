@@ -28,14 +28,16 @@ SHUTDOWN = "shutdown"
 
 
 def _init_rank(config: EngineConfig, rank: int, init_method: str) -> None:
-    """Join the group; on CPU the cores are split between the ranks of this host."""
+    """Join the replica's group; a GPU per rank of every replica, or on CPU a share of the
+    cores between all of them."""
     size = config.tensor_parallel_size
+    host_ranks = size * config.data_parallel_size
     on_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     if on_cuda:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device((config.data_parallel_rank * size + rank) % torch.cuda.device_count())
     else:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        torch.set_num_threads(max(1, cores // size))
+        torch.set_num_threads(max(1, cores // host_ranks))
     dist.init_process_group(
         "nccl" if on_cuda else "gloo",
         init_method=init_method,

@@ -23,12 +23,6 @@ from atom.model_engine.llm_engine import LLMEngine
 from atom.model_engine.multiproc_executor import MultiprocExecutor
 from atom.sampling_params import SamplingParams
 
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
-    "required": ["name", "n"],
-    "additionalProperties": False,
-}
 PROMPTS = [[1, 2, 3, 4, 5], [17, 400, 9000, 123], list(range(100, 140))]
 KW = {
     "max_model_len": 256,
@@ -71,26 +65,6 @@ def _assert_same(got, expected) -> None:
         assert [lp for _, lp in row] == pytest.approx([lp for _, lp in want], abs=1e-4)
 
 
-def _admitted_spec(engine: LLMEngine):
-    """The admission RPC polled until every rank is ready (what the API does)."""
-    from atom.entrypoints.openai.protocol import parse_chat_response_format
-    from atom.structured_output.admission import api_fingerprint
-    from atom.structured_output.spec import StructuredOutputSpec
-
-    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}
-    spec = StructuredOutputSpec.of(parse_chat_response_format(fmt), None)
-    vocab = engine.hf_config.vocab_size
-    fp = api_fingerprint(engine.tokenizer, engine.eos_token_ids, vocab)
-    deadline = time.monotonic() + 120
-    while True:
-        answers = engine.collective_rpc("structured_output_admit", spec, fp, vocab)
-        if all(a["status"] == "ready" for a in answers):
-            return spec, answers
-        assert not any(a["status"] == "error" for a in answers), answers
-        assert time.monotonic() < deadline, answers
-        time.sleep(0.02)
-
-
 def test_two_ranks_run_as_processes(engines):
     _, two = engines
     assert isinstance(two.executor, MultiprocExecutor)
@@ -106,11 +80,10 @@ def test_greedy_parity_unconstrained(engines):
     _assert_same(_run(two, PROMPTS, params), expected)
 
 
-def test_greedy_parity_constrained(engines):
-    pytest.importorskip("llguidance")
+def test_greedy_parity_constrained(engines, admitted_spec):
     one, two = engines
-    spec1, _ = _admitted_spec(one)
-    spec2, answers = _admitted_spec(two)
+    spec1, _ = admitted_spec(one)
+    spec2, answers = admitted_spec(two)
     assert [a["rank"] for a in answers] == [0, 1]  # both ranks compiled it
     params1 = SamplingParams(max_tokens=48, temperature=0.0, structured_output=spec1)
     params2 = SamplingParams(max_tokens=48, temperature=0.0, structured_output=spec2)
