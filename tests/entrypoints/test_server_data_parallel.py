@@ -16,9 +16,11 @@ pytest.importorskip("llguidance")
 
 MODEL_FIXTURE = "tiny_llama_dir"
 ENGINE_KW = {"data_parallel_size": 2, "worker_timeout_s": 120.0}
+# Answers the grammar keeps short: the tiny random model finishes them within its token cap.
+PROPERTIES = {"a": {"enum": [1, 2, 3]}}
 SCHEMA = {
     "type": "object",
-    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "properties": PROPERTIES,
     "required": ["a"],
     "additionalProperties": False,
 }
@@ -70,7 +72,7 @@ def test_mixed_load_over_two_replicas_leaves_nothing_behind(server, model_id, en
     assert (len(out["constrained"]), out["plain"], out["cancelled"]) == (4, 2, 2)
     for finish, text in out["constrained"]:
         if finish == "stop":
-            assert 0 <= json.loads(text)["a"] <= 99
+            assert json.loads(text)["a"] in (1, 2, 3)
         else:
             assert finish == "length"
     wait_idle()  # every block of both replicas free
