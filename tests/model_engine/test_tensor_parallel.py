@@ -10,7 +10,9 @@ single-rank forward closely enough that every greedy choice is the same.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import multiprocessing
 import os
 import signal
 import time
@@ -97,6 +99,15 @@ def test_greedy_parity_constrained(engines, admitted_spec):
             assert set(json.loads(text)) == {"name", "n"}
     per_rank = two.executor.structured_output_stats()  # released inline when they finished
     assert [s["live_grammar_states"] for s in per_rank] == [0, 0]
+
+
+def test_a_rank_that_cannot_start_fails_the_engine_and_stops_the_others(tiny_llama_dir):
+    factory = functools.partial(MultiprocExecutor, rank_overrides={1: {"kv_cache_bytes": 1}})
+    config = EngineConfig(model=str(tiny_llama_dir), tensor_parallel_size=2, **KW)
+    children = set(multiprocessing.active_children())
+    with pytest.raises(RuntimeError, match="rank 1: start failed: ValueError: KV cache budget"):
+        LLMEngine(config, factory)
+    assert not set(multiprocessing.active_children()) - children  # rank 0 stopped too
 
 
 def test_pipeline_parallelism_is_refused():
