@@ -24,6 +24,8 @@ from typing import Any
 from atom.config import EngineConfig
 from atom.model_engine.errors import ENGINE_DEAD, EngineDeadError
 from atom.model_engine.executor import Executor
+from atom.model_engine.scheduler import ScheduledBatch
+from atom.model_engine.step_transport import StepPacker
 from atom.model_engine.worker_process import SHUTDOWN, run_rank
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ class MultiprocExecutor(Executor):
         self._lock = threading.Lock()  # one collective call at a time
         self._stats_lock = threading.Lock()
         self._dead: str | None = None
+        self._packer = StepPacker()  # steps go out as token deltas
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.ranks: list[_Rank] = []
@@ -115,6 +118,12 @@ class MultiprocExecutor(Executor):
                 except OSError as e:
                     raise self._die(f"rank {r.rank} is unreachable: {e}") from None
             return self._gather(method, deadline, timeout)
+
+    def submit_model(self, batch: ScheduledBatch) -> None:
+        self.collective_rpc("submit_model", self._packer.pack(batch))
+
+    def execute_model(self, batch: ScheduledBatch):
+        return self.collective_rpc("execute_model", self._packer.pack(batch))[0]
 
     def _gather(self, method: str, deadline: float, timeout: float) -> list:
         """Every rank's answer to the call just sent; the first rank error is raised once all

@@ -21,10 +21,13 @@ import torch
 import torch.distributed as dist
 
 from atom.config import EngineConfig
+from atom.model_engine.step_transport import StepUnpacker
 
 logger = logging.getLogger(__name__)
 
 SHUTDOWN = "shutdown"
+# Calls whose first argument is a step packed by `step_transport.StepPacker`.
+STEP_METHODS = ("submit_model", "execute_model")
 
 
 def _init_rank(config: EngineConfig, rank: int, init_method: str) -> None:
@@ -78,6 +81,7 @@ def run_rank(
 
 
 def _serve(runner, conn: Connection) -> None:
+    steps = StepUnpacker()
     while True:
         try:
             method, args, kwargs = conn.recv()
@@ -87,6 +91,8 @@ def _serve(runner, conn: Connection) -> None:
             conn.send(("ok", None))
             return
         try:
+            if method in STEP_METHODS:
+                args = (steps.unpack(args[0]), *args[1:])
             reply = ("ok", getattr(runner, method)(*args, **kwargs))
         except Exception as e:  # noqa: BLE001 - the caller raises it
             logger.exception("rank %d: %s failed", runner.rank, method)
