@@ -51,6 +51,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="share of free GPU memory given to the KV cache on CUDA",
     )
     g.add_argument("--seed", type=int, default=d.seed, help="engine seed")
+    _add_parallel_args(g, d)
     g.add_argument(
         "--enforce-eager",
         action="store_true",
@@ -89,7 +90,26 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_parallel_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    sizes = {
+        "tensor_parallel_size": "ranks the model is sharded over (one worker process each)",
+        "pipeline_parallel_size": "pipeline parallelism is not supported: only 1 is accepted",
+        "data_parallel_size": "replicas of the engine, each with its own ranks (processes)",
+    }
+    for name, text in sizes.items():
+        flag = "--" + name.replace("_", "-")
+        g.add_argument(flag, type=int, default=getattr(d, name), help=text)
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine configuration; a refused combination exits with its one-line reason."""
+    try:
+        return _engine_config(args)
+    except ValueError as e:
+        raise SystemExit(f"atom: error: {e}") from None
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         tokenizer=args.tokenizer,
@@ -104,6 +124,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         structured_output_whitespace=args.structured_output_whitespace,

@@ -38,8 +38,17 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_cache_bytes: int | None = None  # explicit KV cache size; default: 512 MiB on CPU
     gpu_memory_utilization: float = 0.85  # share of free GPU memory for the KV cache on CUDA
+    # Ranks: one worker process per tensor-parallel rank (model_engine/multiproc_executor.py);
+    # pipeline parallelism is not supported (refused).
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # Replicas: whole engines (scheduler + ranks) requests are spread over (llm_engine.py);
+    # `data_parallel_rank` is set by the engine for each one (its ranks' devices follow it).
     data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    # The longest a rank may take to start or to answer one collective call (a step, an RPC)
+    # before the engine is declared dead; a rank that exits is noticed at once.
+    worker_timeout_s: float = 600.0
     seed: int = 0
     # Run decode steps eagerly instead of replaying CUDA graphs (graphs are never used on CPU).
     enforce_eager: bool = False
@@ -64,6 +73,20 @@ class EngineConfig:
                 f"{get_args(StructuredOutputWhitespace)}, not {self.structured_output_whitespace!r}"
             )
         self._check_speculative()
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and data_parallel_size must be at least 1")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(
+                "pipeline_parallel_size: pipeline parallelism is not supported "
+                f"(got {self.pipeline_parallel_size}); use tensor_parallel_size"
+            )
+        if self.tensor_parallel_size > 1 and self.speculative_method is not None:
+            raise ValueError("speculative decoding is not supported with tensor_parallel_size > 1")
+        if self.worker_timeout_s <= 0:
+            raise ValueError("worker_timeout_s must be positive")
 
     def _check_speculative(self) -> None:
         method = self.speculative_method

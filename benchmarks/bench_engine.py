@@ -444,6 +444,8 @@ def main() -> None:
         help="ATOM configurations to compare in the decode sweep (the first fills atom_*)",
     )
     ap.add_argument("--profile", action="store_true", help="also write cProfile tables")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (processes)")
+    ap.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas")
     args = ap.parse_args()
     if args.random_llama_1b:
         decode_sweep(args)
@@ -455,6 +457,8 @@ def main() -> None:
         device=args.device,
         dtype=dtype_name,
         max_num_seqs=args.num_requests,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
         **VARIANTS[args.variants[0]],
     )
     engine = llm.engine
@@ -470,6 +474,8 @@ def main() -> None:
         "device": args.device,
         "dtype": dtype_name,
         "num_requests": args.num_requests,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
         "prompt_tokens": [len(p) for p in prompts],
         "output_tokens": outputs,
         "total_output_tokens": total,

@@ -49,5 +49,6 @@ class EngineClient(Protocol):
         ...
 
     def is_alive(self) -> bool:
-        """Whether the engine loop still runs (/health answers 503 once it does not)."""
+        """Whether the engine loop still runs and every rank answers (/health answers 503 once
+        not)."""
         ...

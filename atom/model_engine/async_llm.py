@@ -10,14 +10,14 @@ import threading
 from collections.abc import AsyncIterator
 
 from atom.config import EngineConfig
-from atom.model_engine.llm_engine import LLMEngine
+from atom.model_engine.llm_engine import ExecutorFactory, LLMEngine
 from atom.model_engine.output import EngineStats, RequestOutput
 from atom.sampling_params import SamplingParams
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig):
-        self.engine = LLMEngine(config)
+    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory | None = None):
+        self.engine = LLMEngine(config, executor_factory)
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.model_name
         self.config = self.engine.config

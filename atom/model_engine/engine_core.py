@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from atom.config import EngineConfig
 from atom.model_engine.block_manager import BlockManager
 from atom.model_engine.detokenizer import IncrementalDetokenizer
+from atom.model_engine.errors import EngineDeadError
 from atom.model_engine.executor import Executor
 from atom.model_engine.output import RequestOutput, TokenIdsPrefix, TokenLogprob
 from atom.model_engine.scheduler import ScheduledBatch, Scheduler
@@ -48,6 +49,12 @@ OutputHandler = Callable[[list[RequestOutput]], None]
 
 # The busy loop's pause between grammar polls while nothing else can run.
 GRAMMAR_POLL_S = 0.005
+
+
+def _failure(e: Exception) -> str:
+    """A failed step's message for its requests: a dead engine says so plainly (the API answers
+    503 for it), anything else with its type."""
+    return str(e) if isinstance(e, EngineDeadError) else repr(e)
 
 
 @dataclass
@@ -127,8 +134,16 @@ class EngineCore:
             # Reading it now lets the engine report idle at once.
             outputs += self._read(self._in_flight)
             self._in_flight = None
+        if self.executor.dead_reason is not None:
+            outputs += self._fail_all(self.executor.dead_reason)
         self._flush_grammar_release()
         return outputs
+
+    def _fail_all(self, reason: str) -> list[RequestOutput]:
+        """The ranks are gone: every request of this replica ends with an error (a batch in
+        flight has no output to read any more)."""
+        self._in_flight = None
+        return [self._fail(seq, reason) for seq in list(self.scheduler.requests.values())]
 
     def _submit(self, batch: ScheduledBatch) -> tuple[bool, list[RequestOutput]]:
         """Queue one batch on the ranks; on failure its requests end with an error."""
@@ -136,7 +151,7 @@ class EngineCore:
             self.executor.submit_model(batch)
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
             logger.exception("model step failed")
-            return False, [self._fail(seq, repr(e)) for seq in list(batch.seqs)]
+            return False, [self._fail(seq, _failure(e)) for seq in list(batch.seqs)]
         return True, []
 
     def _complete(self, batch: ScheduledBatch) -> tuple[bool, list[RequestOutput]]:
@@ -146,7 +161,7 @@ class EngineCore:
             self.executor.complete_submission()
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
             logger.exception("model step failed")
-            return False, [self._fail(seq, repr(e)) for seq in list(batch.seqs)]
+            return False, [self._fail(seq, _failure(e)) for seq in list(batch.seqs)]
         return True, []
 
     def _read(self, batch: ScheduledBatch) -> list[RequestOutput]:
@@ -155,7 +170,7 @@ class EngineCore:
             result = self.executor.take_output()
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
             logger.exception("model step failed")
-            return [self._fail(seq, repr(e)) for seq in batch.seqs if not seq.is_finished]
+            return [self._fail(seq, _failure(e)) for seq in batch.seqs if not seq.is_finished]
         more = result.more_token_ids
         outputs = [
             self._process(seq, token, result.logprobs.get(seq.seq_id), more.get(seq.seq_id))
@@ -238,8 +253,10 @@ class EngineCore:
         return outputs
 
     def release_structured(self, request_ids: list[str]) -> None:
-        """Drop these requests' grammar state on every rank (idempotent on the workers)."""
-        self.executor.collective_rpc("structured_output_release", request_ids)
+        """Drop these requests' grammar state on every rank (idempotent on the workers; dead
+        ranks hold nothing any more)."""
+        if self.executor.dead_reason is None:
+            self.executor.collective_rpc("structured_output_release", request_ids)
 
     def _flush_grammar_release(self) -> None:
         """Completion cleanup of constrained requests: a fire-and-forget utility command, so the

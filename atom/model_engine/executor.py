@@ -1,6 +1,6 @@
 """Ranks behind one engine replica. `collective_rpc` runs a worker method on every rank and
-returns every rank's answer; this module ships the in-process single-rank executor (worker
-processes over torch.distributed slot in behind the same interface)."""
+returns every rank's answer. This module has the in-process single-rank executor; several ranks
+are worker processes over torch.distributed (`multiproc_executor`)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,15 @@ class Executor(ABC):
     def structured_output_stats(self) -> list[dict]:
         """Per-rank structured-output counters, read without waiting for the engine loop."""
         return []
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the ranks can no longer serve, once a call has found out (in-process: never)."""
+        return None
+
+    def check_health(self) -> None:
+        """Raise `EngineDeadError` when a rank can no longer serve (in-process: never)."""
+        return None
 
     def shutdown(self) -> None:
         return None

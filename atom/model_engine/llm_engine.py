@@ -9,33 +9,92 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 from atom.config import EngineConfig
 from atom.model_engine.engine_core import EngineCore, OutputHandler
-from atom.model_engine.executor import InProcExecutor
+from atom.model_engine.errors import EngineDeadError
+from atom.model_engine.executor import Executor, InProcExecutor
 from atom.model_engine.output import EngineStats, RequestOutput
 from atom.model_engine.sequence import Sequence
 from atom.model_engine.tokenizer import eos_token_ids, load_tokenizer
 from atom.model_loader import resolve_model, served_name
 from atom.model_loader.weights import load_hf_config
+from atom.models.llama import check_tensor_parallel
 from atom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Builds the ranks of a replica: (config, model folder, HF config) -> Executor.
+ExecutorFactory = Callable[[EngineConfig, Path, Any], Executor]
+
+
+def default_executor(config: EngineConfig, path: Path, hf_config: Any) -> Executor:
+    """One rank in this process, or one worker process per rank (of every replica, when there
+    are several: each has its own devices and process group)."""
+    if config.tensor_parallel_size == 1 and config.data_parallel_size == 1:
+        return InProcExecutor(config, path, hf_config)
+    from atom.model_engine.multiproc_executor import MultiprocExecutor
+
+    return MultiprocExecutor(config, path, hf_config)
+
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
-        if config.data_parallel_size != 1 or config.tensor_parallel_size != 1:
-            raise ValueError("this build runs one replica of one rank (dp=1, tp=1)")
+    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory | None = None):
         path = resolve_model(config)
         self.model_name = served_name(config, path)
         self.hf_config = load_hf_config(path)
+        check_tensor_parallel(self.hf_config, config.tensor_parallel_size)
         self.tokenizer = load_tokenizer(config.tokenizer or path)
         self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer)
         config = dataclasses.replace(config, model=str(path))
-        self.executor = executor = InProcExecutor(config, path, self.hf_config)
-        num_blocks = min(info["num_blocks"] for info in executor.collective_rpc("kv_cache_info"))
-        rank0 = executor.collective_rpc("describe")[0]
+        self.executors = self._start_replicas(config, path, executor_factory or default_executor)
+        try:
+            self._build_cores(config, path)
+        except BaseException:
+            self._shutdown_executors()
+            raise
+        self._route: dict[str, EngineCore] = {}
+        self._constrained: set[str] = set()  # routed requests with a grammar
+        self._lock = threading.Lock()
+
+    @property
+    def executor(self) -> Executor:
+        """The first replica's ranks (the only ones with `data_parallel_size` 1)."""
+        return self.executors[0]
+
+    def _start_replicas(
+        self, config: EngineConfig, path: Path, make: ExecutorFactory
+    ) -> list[Executor]:
+        """Every replica's ranks, started at once; if one fails, the others are stopped. One
+        replica starts on this thread (an in-process rank keeps this thread's CUDA device)."""
+        if config.data_parallel_size == 1:
+            return [make(config, path, self.hf_config)]
+        replicas = [
+            dataclasses.replace(config, data_parallel_rank=r)
+            for r in range(config.data_parallel_size)
+        ]
+        with ThreadPoolExecutor(len(replicas), thread_name_prefix="atom-replica-start") as pool:
+            futures = [pool.submit(make, replica, path, self.hf_config) for replica in replicas]
+        started = [f.result() for f in futures if f.exception() is None]
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        if failed:
+            for executor in started:
+                executor.shutdown()
+            raise failed[0]
+        return started
+
+    def _build_cores(self, config: EngineConfig, path: Path) -> None:
+        """Size each replica's KV cache by its smallest rank's and build its engine core."""
+        blocks = [
+            min(info["num_blocks"] for info in executor.collective_rpc("kv_cache_info"))
+            for executor in self.executors
+        ]
+        num_blocks = min(blocks)
+        rank0 = self.executor.collective_rpc("describe")[0]
         capacity = num_blocks * config.block_size
         max_len = min(self.hf_config.max_position_embeddings, capacity)
         if config.max_model_len is not None and config.max_model_len > max_len:
@@ -50,10 +109,9 @@ class LLMEngine:
             dtype=rank0["dtype"].removeprefix("torch."),
         )
         self.cores = [
-            EngineCore(self.config, executor, self.tokenizer, self.eos_token_ids, num_blocks)
+            EngineCore(self.config, executor, self.tokenizer, self.eos_token_ids, n)
+            for executor, n in zip(self.executors, blocks, strict=True)
         ]
-        self._route: dict[str, EngineCore] = {}
-        self._lock = threading.Lock()
         logger.info(
             "model %s (%s), dtype %s, device %s, KV cache %d tokens (%d blocks of %d), "
             "max_model_len %d",
@@ -73,6 +131,7 @@ class LLMEngine:
         """Validate and queue one request (a `ValueError` names what is wrong). Nothing waits
         here: a constrained request waits in its replica's scheduler until its grammar is bound
         on every rank, and a grammar that cannot compile ends it with finish reason "error"."""
+        self.check_health()
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         if params.logprobs is not None and self.config.speculative_method is not None:
@@ -91,6 +150,8 @@ class LLMEngine:
                 raise ValueError(f"duplicate request id {request_id!r}")
             core = min(self.cores, key=lambda c: c.scheduler.num_waiting + c.scheduler.num_running)
             self._route[request_id] = core
+            if params.structured_output is not None:
+                self._constrained.add(request_id)
         core.submit_add(Sequence(request_id, prompt_token_ids, params))
 
     def abort_request(self, request_ids: list[str]) -> None:
@@ -107,6 +168,12 @@ class LLMEngine:
         outputs = [out for core in self.cores for out in core.step()]
         self._forget_finished(outputs)
         return outputs
+
+    def check_health(self) -> None:
+        """Raise `EngineDeadError` once a rank of any replica has died or hung (the server
+        answers 503)."""
+        for executor in self.executors:
+            executor.check_health()
 
     def has_unfinished_requests(self) -> bool:
         return any(core.has_unfinished() for core in self.cores)
@@ -126,7 +193,7 @@ class LLMEngine:
     def structured_output_stats(self) -> dict[str, int]:
         """Live grammar states and cached grammars over every rank (0 when never used)."""
         total = {"live_grammar_states": 0, "cached_grammars": 0}
-        for stats in self.executor.structured_output_stats():
+        for stats in (s for e in self.executors for s in e.structured_output_stats()):
             for k in total:
                 total[k] += stats.get(k, 0)
         return total
@@ -150,16 +217,38 @@ class LLMEngine:
             core.start(deliver)
 
     def is_alive(self) -> bool:
-        """Every replica's loop runs (or none was started: inline mode)."""
-        return all(core.loop_alive for core in self.cores)
+        """Every replica's loop runs (or none was started: inline mode) and no rank has died."""
+        if not all(core.loop_alive for core in self.cores):
+            return False
+        try:
+            self.check_health()
+        except EngineDeadError:
+            return False
+        return True
 
     def shutdown(self) -> None:
         for core in self.cores:
             core.shutdown()
-        self.executor.shutdown()
+        self._shutdown_executors()
+
+    def _shutdown_executors(self) -> None:
+        for executor in self.executors:
+            executor.shutdown()
 
     def _forget_finished(self, outputs: list[RequestOutput]) -> None:
+        """Drop the routes of finished requests. A constrained one may have been prepared on
+        other replicas too (a collective preparation reaches them all): its grammar state is
+        released there with a fire-and-forget command (its own replica releases it itself)."""
+        elsewhere: dict[int, list[str]] = {}
         with self._lock:
             for out in outputs:
-                if out.finished:
-                    self._route.pop(out.request_id, None)
+                if not out.finished:
+                    continue
+                core = self._route.pop(out.request_id, None)
+                if out.request_id in self._constrained:
+                    self._constrained.discard(out.request_id)
+                    for i, other in enumerate(self.cores):
+                        if other is not core:
+                            elsewhere.setdefault(i, []).append(out.request_id)
+        for i, rids in elsewhere.items():
+            self.cores[i].call_utility("release_structured", rids, wait=False)

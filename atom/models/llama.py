@@ -19,6 +19,23 @@ from atom.model_ops.parallel import tp_size
 from atom.model_ops.rotary_embedding import RotaryEmbedding
 
 
+def check_tensor_parallel(cfg, tp: int) -> None:
+    """A `ValueError` naming the field when the checkpoint cannot be split over `tp` ranks:
+    attention heads and MLP width shard evenly, key/value heads shard or replicate evenly."""
+    kv = cfg.num_key_value_heads
+    fits = {
+        "num_attention_heads": cfg.num_attention_heads % tp == 0,
+        "num_key_value_heads": kv % tp == 0 or tp % kv == 0,
+        "intermediate_size": cfg.intermediate_size % tp == 0,
+    }
+    for name, ok in fits.items():
+        if not ok:
+            raise ValueError(
+                f"tensor_parallel_size {tp} does not divide the model's {name} "
+                f"({getattr(cfg, name)})"
+            )
+
+
 def head_dim_of(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 

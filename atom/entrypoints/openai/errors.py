@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atom.entrypoints.openai.protocol import LONE_SURROGATE_ERROR, NON_FINITE_ERROR
+from atom.model_engine.errors import EngineDeadError
 
 logger = logging.getLogger("atom.api")
 
@@ -192,6 +193,10 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(request, body_parse_error(exc.__cause__))
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return error_response(request, APIError(str(exc.detail), status=exc.status_code, code=code))
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(request, APIError(str(exc), status=503, code="engine_dead"))
 
     @app.exception_handler(Exception)
     async def _unhandled(request: Request, exc: Exception) -> JSONResponse:

@@ -39,6 +39,7 @@ from atom.entrypoints.openai.metrics import ApiMetrics, RequestTracker
 from atom.entrypoints.reasoning import ReasoningDialect, ReasoningParser, get_dialect
 from atom.entrypoints.tool_parsers import get_parser
 from atom.entrypoints.tool_parsers.prompt import tools_into_messages
+from atom.model_engine.errors import ENGINE_DEAD
 from atom.model_engine.output import RequestOutput, TokenLogprob
 from atom.sampling_params import SamplingParams
 
@@ -210,6 +211,8 @@ def generation_error(message: str | None) -> APIError:
     message = message or "generation failed"
     if message.startswith("structured output"):
         return structured_output_error(message)
+    if message.startswith(ENGINE_DEAD):
+        return APIError(message, status=503, code="engine_dead")
     return APIError(message, status=500, code="generation_error")
 
 
