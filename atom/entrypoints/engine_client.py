@@ -48,7 +48,7 @@ class EngineClient(Protocol):
         """Live grammar states and cached grammars over every rank, read at scrape time."""
         ...
 
-    def is_alive(self) -> bool:
-        """Whether the engine loop still runs and every rank answers (/health answers 503 once
-        not)."""
+    def check_health(self) -> None:
+        """Raise `EngineDeadError` once the engine loop has stopped or a rank has died (/health
+        answers 503)."""
         ...

@@ -97,8 +97,8 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def is_alive(self) -> bool:
-        return self.engine.is_alive()
+    def check_health(self) -> None:
+        self.engine.check_health()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -16,7 +16,7 @@ from typing import Any
 
 from atom.config import EngineConfig
 from atom.model_engine.engine_core import EngineCore, OutputHandler
-from atom.model_engine.errors import EngineDeadError
+from atom.model_engine.errors import ENGINE_DEAD, EngineDeadError
 from atom.model_engine.executor import Executor, InProcExecutor
 from atom.model_engine.output import EngineStats, RequestOutput
 from atom.model_engine.sequence import Sequence
@@ -170,8 +170,11 @@ class LLMEngine:
         return outputs
 
     def check_health(self) -> None:
-        """Raise `EngineDeadError` once a rank of any replica has died or hung (the server
-        answers 503)."""
+        """Raise `EngineDeadError` once a replica's loop has ended (it was started and stopped:
+        a bug, or shut down) or a rank of any replica has died or hung (the server answers
+        503)."""
+        if not all(core.loop_alive for core in self.cores):
+            raise EngineDeadError(f"{ENGINE_DEAD}: the engine loop has stopped")
         for executor in self.executors:
             executor.check_health()
 
@@ -215,16 +218,6 @@ class LLMEngine:
 
         for core in self.cores:
             core.start(deliver)
-
-    def is_alive(self) -> bool:
-        """Every replica's loop runs (or none was started: inline mode) and no rank has died."""
-        if not all(core.loop_alive for core in self.cores):
-            return False
-        try:
-            self.check_health()
-        except EngineDeadError:
-            return False
-        return True
 
     def shutdown(self) -> None:
         for core in self.cores:

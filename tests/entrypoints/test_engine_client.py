@@ -11,7 +11,14 @@ from atom.entrypoints.engine_client import EngineClient
 from atom.model_engine.async_llm import AsyncLLM
 
 MODEL_FIXTURE = "tiny_llama_dir"
-METHODS = ("generate", "abort", "collective_rpc", "stats", "structured_output_stats", "is_alive")
+METHODS = (
+    "generate",
+    "abort",
+    "collective_rpc",
+    "stats",
+    "structured_output_stats",
+    "check_health",
+)
 
 
 def _parameters(method) -> list[tuple[str, object]]:

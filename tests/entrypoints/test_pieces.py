@@ -54,8 +54,8 @@ class ScriptedEngine:
     def structured_output_stats(self):
         return {}
 
-    def is_alive(self):
-        return True
+    def check_health(self):
+        return None
 
 
 def outputs(*deltas: str, reason: str = "stop", stop=None, error=None) -> list[RequestOutput]:

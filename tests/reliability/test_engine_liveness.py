@@ -1,5 +1,5 @@
-"""/health tells a dead engine loop apart: 200 while the loop runs, 503 `engine_dead` once it
-has ended (requests would otherwise wait forever behind a healthy-looking /health)."""
+"""/health tells a dead engine loop apart: 200 while the loop runs, 503 (code `engine_dead`)
+once it has ended (requests would otherwise wait forever behind a healthy-looking /health)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from atom.config import EngineConfig
+from atom.model_engine.errors import EngineDeadError
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +32,15 @@ def test_health_is_503_once_the_engine_loop_has_ended(tiny_llama_dir):
     )
     try:
         app = build_app(engine)
-        assert engine.is_alive()
+        engine.check_health()
         assert _health(app).json() == {"status": "ok"}
         core = engine.engine.cores[0]
         thread = core._thread
         core._inputs.put(("shutdown",))  # the loop ends as it would on a fatal error
         thread.join(timeout=30)
-        assert not engine.is_alive()
+        with pytest.raises(EngineDeadError, match="engine loop has stopped"):
+            engine.check_health()
         r = _health(app)
-        assert r.status_code == 503 and r.json() == {"status": "engine_dead"}
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
     finally:
         engine.shutdown()

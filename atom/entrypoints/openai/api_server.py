@@ -85,8 +85,7 @@ def build_app(engine: EngineClient, server_config: ServerConfig | None = None) -
 
     @app.get("/health")
     async def health() -> Any:
-        if not engine.is_alive():
-            return JSONResponse({"status": "engine_dead"}, status_code=503)
+        engine.check_health()  # a stopped loop or a dead rank: 503 with the reason
         if serving.drain.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
