@@ -264,20 +264,28 @@ class GuidanceBackend:
         self.tokenizer_size = len(hf_tokenizer)
         self.limits = parser_limits()
 
-    def grammar(self, lowered: dict | bool) -> str:
-        """The validated llguidance grammar for a lowered schema (raises ``GrammarError``)."""
+    def grammar(self, lowered: dict | bool | str) -> str:
+        """The validated llguidance grammar for a lowered schema, or for the Lark text of a text
+        constraint (raises ``GrammarError``)."""
         from llguidance import LLMatcher
 
         from atom.structured_output.regex import translate_schema_patterns
 
         if lowered is False:
             raise GrammarError("the schema admits no value")
-        schema = {} if lowered is True else {k: v for k, v in lowered.items() if k != "x-guidance"}
         try:
-            # Lowered patterns are ECMA-262; llguidance reads Rust syntax (RegexError is a
-            # ValueError: an untranslatable pattern is a GrammarError like any other).
-            schema = translate_schema_patterns(schema)
-            grammar = LLMatcher.grammar_from_json_schema(schema, overrides=self.json_options)
+            if isinstance(lowered, str):  # a text constraint's Lark grammar (text_constraints)
+                grammar = LLMatcher.grammar_from_lark(lowered)
+            else:
+                schema = (
+                    {}
+                    if lowered is True
+                    else {k: v for k, v in lowered.items() if k != "x-guidance"}
+                )
+                # Lowered patterns are ECMA-262; llguidance reads Rust syntax (RegexError is a
+                # ValueError: an untranslatable pattern is a GrammarError like any other).
+                schema = translate_schema_patterns(schema)
+                grammar = LLMatcher.grammar_from_json_schema(schema, overrides=self.json_options)
         except (ValueError, TypeError) as exc:
             raise GrammarError(_safe_message(str(exc))) from None
         is_error, messages = LLMatcher.validate_grammar_with_warnings(
@@ -287,11 +295,11 @@ class GuidanceBackend:
             raise GrammarError(_safe_message(messages[0] if messages else ""))
         return grammar
 
-    def compile(self, lowered: dict | bool) -> LLMatcher:
+    def compile(self, lowered: dict | bool | str) -> LLMatcher:
         """A pristine matcher for the schema; requests get ``deep_copy()`` of it."""
         return self.compiler(lowered)()
 
-    def compiler(self, lowered: dict | bool) -> Callable[[], LLMatcher]:
+    def compiler(self, lowered: dict | bool | str) -> Callable[[], LLMatcher]:
         """A function that compiles the schema as it would be compiled now (the same grammar
         text and parser limits), as often as asked: a grammar's lanes are made with it."""
         return functools.partial(self._matcher, self.grammar(lowered), self.limits)

@@ -137,3 +137,17 @@ def wait_idle(engine):
             time.sleep(0.05)
 
     return wait
+
+
+@pytest.fixture(scope="module")
+def openai_client(server):
+    """The official openai SDK on the module's server, validating every response shape."""
+    import openai
+
+    return openai.OpenAI(
+        base_url=f"{server.url}/v1",
+        api_key="x",
+        max_retries=0,
+        timeout=120,
+        _strict_response_validation=True,
+    )

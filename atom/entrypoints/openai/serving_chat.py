@@ -51,6 +51,11 @@ from atom.entrypoints.openai.serving_engine import (
     structured_output_preflight,
 )
 from atom.entrypoints.openai.sse import DONE, SSEResponse, data_event, wire
+from atom.entrypoints.openai.vllm_fields import (
+    refuse_unsupported,
+    request_constraint,
+    sampling_kwargs,
+)
 from atom.model_engine.output import RequestOutput, TokenLogprob
 from atom.sampling_params import SamplingParams
 
@@ -194,9 +199,8 @@ class ServingChat:
                     "max_tokens and max_completion_tokens disagree; send one of them",
                     param="max_completion_tokens",
                 )
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name):
-                raise bad_request(f"{name} is not supported by this server", param=name)
+        refuse_unsupported(req)
+        fmt, fmt_param = request_constraint(req, req.response_format)
         thinking = s.resolve_thinking(
             req.reasoning_effort, _thinking_toggle(req), "reasoning_effort"
         )
@@ -225,14 +229,15 @@ class ServingChat:
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=bool(req.ignore_eos),
             logprobs=top if req.logprobs else None,
+            **sampling_kwargs(req, s.hf_config.vocab_size),
         )
         request_id = random_id("chatcmpl-")
         # STRUCTURED-OUTPUT HOOK (response_format): see serving_engine.structured_output_preflight.
         params.structured_output = await structured_output_preflight(
             s,
             request=req,
-            fmt=req.response_format,
-            param="response_format",
+            fmt=fmt,
+            param=fmt_param,
             rendered=rendered,
             params=params,
             endpoint="chat",

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
         ChatResponseFormat,
         ResponsesTextFormat,
     )
+    from atom.entrypoints.openai.vllm_fields import FieldConstraint
     from atom.structured_output.schema_workers import SchemaWorkers
     from atom.structured_output.spec import StructuredOutputSpec
 
@@ -75,7 +76,7 @@ async def structured_output_preflight(
     serving: ServingContext,
     *,
     request: Any,
-    fmt: ChatResponseFormat | ResponsesTextFormat | AnthropicOutputFormat | None,
+    fmt: ChatResponseFormat | ResponsesTextFormat | AnthropicOutputFormat | FieldConstraint | None,
     param: str,
     rendered: RenderedPrompt,
     params: SamplingParams,
@@ -206,6 +207,18 @@ async def structured_output_final_check(
         return "structured output: the request lost its output constraint"
     invalid = await serving.schema_workers.validate(spec.constraint, answer)
     return None if invalid is None else f"structured output: {invalid}"
+
+
+# Sampling settings that the verification of speculative drafts does not apply, with their
+# neutral values.
+_NOT_SPECULATIVE = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": None,
+    "min_p": 0.0,
+    "min_tokens": 0,
+}
 
 
 class ServingContext:
@@ -387,6 +400,13 @@ class ServingContext:
                 "logprobs are not available on this deployment: it decodes speculatively",
                 param="logprobs",
             )
+        if self.engine_config.speculative_method:
+            for name, neutral in _NOT_SPECULATIVE.items():
+                if kwargs.get(name, neutral) not in (neutral, None, {}):
+                    raise bad_request(
+                        f"{name} is not available on this deployment: it decodes speculatively",
+                        param=name,
+                    )
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:
