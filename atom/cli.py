@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", default=s.log_level, help="uvicorn log level")
     serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key on /v1 routes (Authorization: Bearer; x-api-key on /v1/messages)",
+    )
+    serve.add_argument(
         "--structured-output-processes",
         type=_positive(int),
         default=s.structured_output_processes,
@@ -176,6 +181,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         structured_output_processes=args.structured_output_processes,
         structured_output_budget_s=args.structured_output_budget,
+        api_key=args.api_key,
     )
 
 

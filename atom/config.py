@@ -90,3 +90,5 @@ class ServerConfig:
     # of one such call (an overrun fails that request alone; see structured_output/schema_workers).
     structured_output_processes: int = 2
     structured_output_budget_s: float = 10.0
+    # Required on /v1 routes when set (Bearer, or x-api-key on /v1/messages).
+    api_key: str | None = None

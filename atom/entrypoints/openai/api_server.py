@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from atom import __version__
 from atom.config import EngineConfig, ServerConfig
 from atom.entrypoints.engine_client import EngineClient
 from atom.entrypoints.openai.errors import install_error_handlers
@@ -21,16 +22,22 @@ from atom.entrypoints.openai.protocol import (
     AnthropicErrorResponse,
     AnthropicMessagesRequest,
     ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
     ResponsesRequest,
+    TokenizeRequest,
 )
+from atom.entrypoints.openai.request_headers import RequestHeaders
 from atom.entrypoints.openai.serving_chat import ServingChat
+from atom.entrypoints.openai.serving_completions import ServingCompletions
 from atom.entrypoints.openai.serving_engine import ClientDisconnected, ServingContext
 from atom.entrypoints.openai.serving_messages import ServingMessages
 from atom.entrypoints.openai.serving_models import ServingModels
 from atom.entrypoints.openai.serving_responses import ServingResponses
+from atom.entrypoints.openai.serving_tokenize import ServingTokenize
 
 logger = logging.getLogger("atom.api")
 
@@ -81,6 +88,8 @@ def build_app(engine: EngineClient, server_config: ServerConfig | None = None) -
     responses = ServingResponses(serving)
     messages = ServingMessages(serving)
     models = ServingModels(serving)
+    completions = ServingCompletions(serving)
+    tokens = ServingTokenize(serving)
 
     app = FastAPI(
         title="ATOM",
@@ -91,6 +100,7 @@ def build_app(engine: EngineClient, server_config: ServerConfig | None = None) -
     app.router.on_startup.append(_freeze_startup_heap)
     app.router.on_shutdown.append(serving.close)
     app.add_middleware(_JSONBodyByDefault)
+    app.add_middleware(RequestHeaders, api_key=serving.server_config.api_key)
     install_error_handlers(app)
 
     @app.get("/health")
@@ -120,6 +130,25 @@ def build_app(engine: EngineClient, server_config: ServerConfig | None = None) -
             return await chat.create(req, raw_request)
         except ClientDisconnected:
             return _disconnected()
+
+    @app.post("/v1/completions", responses=_ERRORS)
+    async def create_completion(req: CompletionRequest, raw_request: Request) -> Any:
+        try:
+            return await completions.create(req, raw_request)
+        except ClientDisconnected:
+            return _disconnected()
+
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        return await tokens.tokenize(req)
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        return await tokens.detokenize(req)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.post("/v1/responses", responses=_ERRORS)
     async def create_response(req: ResponsesRequest, raw_request: Request) -> Any:

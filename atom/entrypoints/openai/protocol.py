@@ -304,11 +304,11 @@ class VllmFields(_RequestBody):
     stop_token_ids: list[int] | None = None
 
 
-class ChatCompletionRequest(VllmFields):
+class SamplingFields(VllmFields):
+    """The sampling fields Chat and Completions share."""
+
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
@@ -316,6 +316,11 @@ class ChatCompletionRequest(VllmFields):
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     n: int | None = Field(default=1, ge=1, le=1)
@@ -326,6 +331,34 @@ class ChatCompletionRequest(VllmFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     user: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# OpenAI (legacy) Completions, and vLLM's /tokenize and /detokenize
+# --------------------------------------------------------------------------------------------
+class CompletionRequest(SamplingFields):
+    """One prompt per request: a string or token ids (a list of one of them is accepted)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    n: int | None = Field(default=1, ge=1, le=1)
+    suffix: None = None
+    user: str | None = None
+
+
+class TokenizeRequest(_RequestBody):
+    """A prompt to tokenize as /v1/completions would, or messages as Chat renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_RequestBody):
+    model: str | None = None
+    tokens: list[int]
 
 
 # --------------------------------------------------------------------------------------------

@@ -43,18 +43,17 @@ from atom.entrypoints.openai.protocol import (
     ChatOtherPart,
     ChatTextPart,
 )
+from atom.entrypoints.openai.request_headers import request_id_of
 from atom.entrypoints.openai.serving_engine import (
     RenderedPrompt,
     ServingContext,
-    random_id,
     run_until_disconnect,
-    structured_output_preflight,
 )
 from atom.entrypoints.openai.sse import DONE, SSEResponse, data_event, wire
 from atom.entrypoints.openai.vllm_fields import (
+    constrain,
     refuse_unsupported,
-    request_constraint,
-    sampling_kwargs,
+    sampling_params,
 )
 from atom.model_engine.output import RequestOutput, TokenLogprob
 from atom.sampling_params import SamplingParams
@@ -110,16 +109,6 @@ def _thinking_toggle(req: ChatCompletionRequest) -> bool | None:
     if req.thinking.type == "disabled":
         return False
     return None
-
-
-def _stop_list(stop: str | list[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else list(stop)
-    for i, s in enumerate(stops):
-        if not s:
-            raise bad_request("stop strings must be non-empty", param=f"stop[{i}]")
-    return stops
 
 
 @dataclass
@@ -200,7 +189,6 @@ class ServingChat:
                     param="max_completion_tokens",
                 )
         refuse_unsupported(req)
-        fmt, fmt_param = request_constraint(req, req.response_format)
         thinking = s.resolve_thinking(
             req.reasoning_effort, _thinking_toggle(req), "reasoning_effort"
         )
@@ -219,28 +207,11 @@ class ServingChat:
         top = req.top_logprobs or 0
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
-        params = s.make_params(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(0, req.top_k or 0),
-            seed=req.seed,
-            max_tokens=cap,
-            stop=_stop_list(req.stop),
-            stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=bool(req.ignore_eos),
-            logprobs=top if req.logprobs else None,
-            **sampling_kwargs(req, s.hf_config.vocab_size),
-        )
-        request_id = random_id("chatcmpl-")
+        params = sampling_params(s, req, cap, top if req.logprobs else None)
+        request_id = request_id_of(raw_request, "chatcmpl-")
         # STRUCTURED-OUTPUT HOOK (response_format): see serving_engine.structured_output_preflight.
-        params.structured_output = await structured_output_preflight(
-            s,
-            request=req,
-            fmt=fmt,
-            param=fmt_param,
-            rendered=rendered,
-            params=params,
-            endpoint="chat",
+        params.structured_output = await constrain(
+            s, req, req.response_format, rendered, params, "chat"
         )
         tracker = s.metrics.tracker("chat")
         if req.stream:

@@ -44,10 +44,10 @@ from atom.entrypoints.openai.protocol import (
     AnthropicToolResultBlock,
     AnthropicToolUseBlock,
 )
+from atom.entrypoints.openai.request_headers import request_id_of
 from atom.entrypoints.openai.serving_engine import (
     RenderedPrompt,
     ServingContext,
-    random_id,
     run_until_disconnect,
     structured_output_preflight,
 )
@@ -235,7 +235,7 @@ class ServingMessages:
             max_tokens=cap,
             stop=stops,
         )
-        message_id = random_id("msg_")
+        message_id = request_id_of(raw_request, "msg_")
         # Constrained Messages output is refused in the preflight (Chat and Responses only).
         params.structured_output = await structured_output_preflight(
             s,

@@ -51,6 +51,7 @@ from atom.entrypoints.openai.protocol import (
     ResponsesReasoningItem,
     ResponsesRequest,
 )
+from atom.entrypoints.openai.request_headers import request_id_of
 from atom.entrypoints.openai.serving_engine import (
     RenderedPrompt,
     ServingContext,
@@ -362,7 +363,7 @@ class ServingResponses:
             seed=req.seed,
             max_tokens=cap,
         )
-        response_id = random_id("resp_")
+        response_id = request_id_of(raw_request, "resp_")
         # STRUCTURED-OUTPUT HOOK (text.format): see serving_engine.structured_output_preflight.
         params.structured_output = await structured_output_preflight(
             s,

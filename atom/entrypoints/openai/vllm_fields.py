@@ -14,7 +14,9 @@ from atom.entrypoints.openai.errors import bad_request
 from atom.entrypoints.openai.protocol import UNSUPPORTED_VLLM_FIELDS
 
 if TYPE_CHECKING:
-    from atom.entrypoints.openai.protocol import VllmFields
+    from atom.entrypoints.openai.protocol import SamplingFields, VllmFields
+    from atom.entrypoints.openai.serving_engine import RenderedPrompt, ServingContext
+    from atom.sampling_params import SamplingParams
     from atom.structured_output.spec import OutputFormat
 
 # (field of `structured_outputs` as sent, attribute, the older top-level field, format kind)
@@ -86,6 +88,30 @@ def request_constraint(req: VllmFields, response_format: Any) -> tuple[Any, str]
     return FieldConstraint(kind, None if kind == "json_object" else value), param
 
 
+async def constrain(
+    serving: ServingContext,
+    req: VllmFields,
+    response_format: Any,
+    rendered: RenderedPrompt,
+    params: SamplingParams,
+    endpoint: str,
+) -> Any:
+    """The structured-output spec of a Chat or Completions request (None: unconstrained),
+    through the one preflight every constrained request takes."""
+    from atom.entrypoints.openai.serving_engine import structured_output_preflight
+
+    fmt, param = request_constraint(req, response_format)
+    return await structured_output_preflight(
+        serving,
+        request=req,
+        fmt=fmt,
+        param=param,
+        rendered=rendered,
+        params=params,
+        endpoint=endpoint,
+    )
+
+
 def refuse_unsupported(req: Any) -> None:
     """A vLLM field that would change the result but is not implemented here is a 400 naming
     it, unless it holds its neutral value."""
@@ -95,7 +121,35 @@ def refuse_unsupported(req: Any) -> None:
             raise bad_request(f"{name} is not supported by this server", param=name)
 
 
-def sampling_kwargs(req: VllmFields, vocab_size: int) -> dict[str, Any]:
+def sampling_params(
+    serving: ServingContext, req: SamplingFields, cap: int, logprobs: int | None
+) -> SamplingParams:
+    """The SamplingParams of a Chat or Completions request whose output cap is resolved."""
+    return serving.make_params(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(0, req.top_k or 0),
+        seed=req.seed,
+        max_tokens=cap,
+        stop=stop_list(req.stop),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=bool(req.ignore_eos),
+        logprobs=logprobs,
+        **_vllm_sampling(req, serving.hf_config.vocab_size),
+    )
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    for i, s in enumerate(stops):
+        if not s:
+            raise bad_request("stop strings must be non-empty", param=f"stop[{i}]")
+    return stops
+
+
+def _vllm_sampling(req: VllmFields, vocab_size: int) -> dict[str, Any]:
     """The SamplingParams settings of vLLM's sampling fields (omitted ones keep their default);
     `logit_bias` keys are token ids of this vocabulary."""
     out: dict[str, Any] = {}
