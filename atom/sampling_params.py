@@ -11,6 +11,19 @@ MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
 
 
+@dataclass(frozen=True)
+class StructuredOutputParams:
+    """An output constraint for the offline API (``LLM.generate``/``LLM.chat``), as vLLM spells
+    it: exactly one of a JSON Schema (or its JSON text), any JSON object, a regex the whole
+    answer matches, a choice among strings, or a Lark grammar as llguidance reads it."""
+
+    json: dict | bool | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
@@ -36,7 +49,8 @@ class SamplingParams:
     min_tokens: int = 0
     # The tokens min_tokens forbids (EOS and stop_token_ids), set by the engine on admission.
     min_tokens_stop_ids: tuple[int, ...] = ()
-    # A bound `atom.structured_output` request spec; None for ordinary requests.
+    # A bound `atom.structured_output` request spec; None for ordinary requests. Offline,
+    # `StructuredOutputParams` too: `LLM.generate` admits it and binds its spec.
     structured_output: Any = None
     # Does this request change its logits before sampling (``model_ops.penalties``)?
     penalized: bool = field(init=False, default=False)

@@ -88,8 +88,6 @@ def build_app(engine: EngineClient, server_config: ServerConfig | None = None) -
     responses = ServingResponses(serving)
     messages = ServingMessages(serving)
     models = ServingModels(serving)
-    completions = ServingCompletions(serving)
-    tokens = ServingTokenize(serving)
 
     app = FastAPI(
         title="ATOM",
@@ -131,6 +129,34 @@ def build_app(engine: EngineClient, server_config: ServerConfig | None = None) -
         except ClientDisconnected:
             return _disconnected()
 
+    @app.post("/v1/responses", responses=_ERRORS)
+    async def create_response(req: ResponsesRequest, raw_request: Request) -> Any:
+        try:
+            return await responses.create(req, raw_request)
+        except ClientDisconnected:
+            return _disconnected()
+
+    @app.post("/v1/messages", responses=_ANTHROPIC_ERRORS)
+    async def create_message(req: AnthropicMessagesRequest, raw_request: Request) -> Any:
+        try:
+            return await messages.create(req, raw_request)
+        except ClientDisconnected:
+            return _disconnected()
+
+    _add_vllm_routes(app, serving)
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> JSONResponse:
+        return JSONResponse({"name": "atom", "models": serving.served_names, "docs": "/docs"})
+
+    return app
+
+
+def _add_vllm_routes(app: FastAPI, serving: ServingContext) -> None:
+    """The endpoints vLLM users call besides Chat: legacy completions, the tokenizer, version."""
+    completions = ServingCompletions(serving)
+    tokens = ServingTokenize(serving)
+
     @app.post("/v1/completions", responses=_ERRORS)
     async def create_completion(req: CompletionRequest, raw_request: Request) -> Any:
         try:
@@ -149,26 +175,6 @@ def build_app(engine: EngineClient, server_config: ServerConfig | None = None) -
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
-
-    @app.post("/v1/responses", responses=_ERRORS)
-    async def create_response(req: ResponsesRequest, raw_request: Request) -> Any:
-        try:
-            return await responses.create(req, raw_request)
-        except ClientDisconnected:
-            return _disconnected()
-
-    @app.post("/v1/messages", responses=_ANTHROPIC_ERRORS)
-    async def create_message(req: AnthropicMessagesRequest, raw_request: Request) -> Any:
-        try:
-            return await messages.create(req, raw_request)
-        except ClientDisconnected:
-            return _disconnected()
-
-    @app.get("/", include_in_schema=False)
-    async def root() -> JSONResponse:
-        return JSONResponse({"name": "atom", "models": serving.served_names, "docs": "/docs"})
-
-    return app
 
 
 def _describe_start(engine: EngineClient, serving: ServingContext, host: str, port: int) -> None:

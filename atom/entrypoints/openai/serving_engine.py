@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -39,14 +39,8 @@ from atom.model_engine.output import RequestOutput, TokenLogprob
 from atom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from atom.entrypoints.openai.protocol import (
-        AnthropicOutputFormat,
-        ChatResponseFormat,
-        ResponsesTextFormat,
-    )
-    from atom.entrypoints.openai.vllm_fields import FieldConstraint
     from atom.structured_output.schema_workers import SchemaWorkers
-    from atom.structured_output.spec import StructuredOutputSpec
+    from atom.structured_output.spec import OutputFormat, StructuredOutputSpec
 
 logger = logging.getLogger("atom.api")
 
@@ -69,6 +63,16 @@ class RenderedPrompt:
     thinking: ThinkingChoice
 
 
+class ConstraintFormat(Protocol):
+    """What the preflight takes: a Chat `response_format`, a Responses `text.format`, an
+    Anthropic `output_config.format` (protocol.py), or a vLLM constraint field
+    (vllm_fields.FieldConstraint). A "text" one constrains nothing."""
+
+    type: str
+
+    def output_format(self, param: str) -> OutputFormat: ...
+
+
 # ---------------------------------------------------------------------------------------------
 # STRUCTURED-OUTPUT HOOK: the one place where `atom.structured_output` preflight plugs in.
 # ---------------------------------------------------------------------------------------------
@@ -76,7 +80,7 @@ async def structured_output_preflight(
     serving: ServingContext,
     *,
     request: Any,
-    fmt: ChatResponseFormat | ResponsesTextFormat | AnthropicOutputFormat | FieldConstraint | None,
+    fmt: ConstraintFormat | None,
     param: str,
     rendered: RenderedPrompt,
     params: SamplingParams,
