@@ -79,6 +79,20 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def kv_budget_of_total(free: int, total: int, utilization: float) -> int:
+    """vLLM's meaning of --gpu-memory-utilization: this process may use that share of the
+    GPU's total memory; the KV cache gets what of it is not in use yet (weights, other
+    processes). Raises when nothing is left."""
+    in_use = total - free
+    budget = int(total * utilization) - in_use
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization {utilization} allows {int(total * utilization)} bytes, but "
+            f"{in_use} are already in use: nothing is left for the KV cache"
+        )
+    return budget
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, hf_config, rank: int = 0):
         self.config = config
@@ -111,7 +125,8 @@ class ModelRunner:
             torch.set_num_threads(1)
 
     def _allocate_kv_cache(self, hf_config) -> None:
-        """Size the paged cache by bytes (CPU default 512 MiB) or a share of free GPU memory."""
+        """Size the paged cache by bytes (CPU default 512 MiB) or, on CUDA, by what remains of
+        the given share of total GPU memory once the weights (and all else in use) are loaded."""
         num_layers = hf_config.num_hidden_layers
         attn = self.model.model.layers[0].self_attn
         num_kv_heads, head_dim = attn.num_kv_heads, head_dim_of(hf_config)
@@ -121,8 +136,8 @@ class ModelRunner:
             block_bytes += self.speculator.block_bytes(self.block_size)
         budget = self.config.kv_cache_bytes
         if budget is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * self.config.gpu_memory_utilization)
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = kv_budget_of_total(free, total, self.config.gpu_memory_utilization)
         elif budget is None:
             budget = CPU_KV_CACHE_BYTES
         self.num_blocks = budget // block_bytes

@@ -548,6 +548,8 @@ class ModelCard(_Lenient):
     output_modalities: list[str] | None = None
     reasoning_effort: ReasoningEffortCard | None = None
     deployment: str | None = None
+    # The checkpoint's generation_config.json defaults for omitted request fields.
+    generation_defaults: dict[str, float | int] | None = None
 
 
 class ModelList(_Lenient):

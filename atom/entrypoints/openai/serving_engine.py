@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
@@ -36,6 +37,7 @@ from atom.entrypoints.openai.errors import APIError, bad_request, model_not_foun
 from atom.entrypoints.openai.metrics import ApiMetrics, RequestTracker
 from atom.entrypoints.reasoning import ReasoningDialect, ReasoningParser, get_dialect
 from atom.model_engine.output import RequestOutput, TokenLogprob
+from atom.model_loader.generation_defaults import generation_defaults
 from atom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -225,6 +227,16 @@ _NOT_SPECULATIVE = {
 }
 
 
+def _read_template(path: str | None) -> str | None:
+    """The `--chat-template` file's text (a ValueError naming the file when unreadable)."""
+    if path is None:
+        return None
+    try:
+        return Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read the chat template {path}: {e}") from None
+
+
 class ServingContext:
     """The served deployment and the engine it runs on."""
 
@@ -243,7 +255,10 @@ class ServingContext:
         self.dialect: ReasoningDialect | None = get_dialect(
             self.adapter.reasoning_dialect, self.tokenizer
         )
-        self.encoder = get_encoder(self.adapter.chat_encoder, self.tokenizer)
+        self.encoder = get_encoder(
+            self.adapter.chat_encoder, self.tokenizer, _read_template(server_config.chat_template)
+        )
+        self.generation_defaults = generation_defaults(self.engine_config.model)
         self.metrics = ApiMetrics(engine.stats, engine.structured_output_stats)
         self._token_bytes: dict[int, bytes] = {}
         self._schema_workers: SchemaWorkers | None = None
@@ -279,7 +294,7 @@ class ServingContext:
             raise model_not_found(str(model), self.served_names)
 
     def model_cards(self) -> list[dict[str, Any]]:
-        return [
+        cards = [
             describe_model(
                 self.adapter,
                 name,
@@ -289,6 +304,10 @@ class ServingContext:
             )
             for name in self.served_names
         ]
+        if self.generation_defaults:  # what an omitted field becomes (generation_config.json)
+            for card in cards:
+                card["generation_defaults"] = dict(self.generation_defaults)
+        return cards
 
     # ---- thinking -------------------------------------------------------------------------
     def resolve_thinking(
@@ -378,7 +397,8 @@ class ServingContext:
                 code="context_length_exceeded",
             )
         if requested is None:
-            return min(self.limits.max_output_tokens, remaining)
+            default = self.generation_defaults.get("max_tokens", self.limits.max_output_tokens)
+            return max(1, min(self.limits.max_output_tokens, remaining, int(default)))
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
             raise bad_request(f"{param} must be a positive integer, got {requested!r}", param=param)
         if requested > self.limits.max_output_tokens:
@@ -399,6 +419,14 @@ class ServingContext:
 
     # ---- generation -----------------------------------------------------------------------
     def make_params(self, **kwargs: Any) -> SamplingParams:
+        """SamplingParams of a request; a field given as None (omitted by the client) takes
+        the checkpoint's generation_config.json default, else SamplingParams' own."""
+        speculative = bool(self.engine_config.speculative_method)
+        for name, value in self.generation_defaults.items():
+            if name != "max_tokens" and kwargs.get(name) is None:
+                if not (speculative and name in _NOT_SPECULATIVE):
+                    kwargs[name] = value
+        kwargs = {k: v for k, v in kwargs.items() if v is not None or k in ("seed", "logprobs")}
         if kwargs.get("logprobs") is not None and self.engine_config.speculative_method:
             raise bad_request(
                 "logprobs are not available on this deployment: it decodes speculatively",

@@ -229,9 +229,9 @@ class ServingMessages:
             if not stop:
                 raise bad_request("stop sequences must be non-empty", param=f"stop_sequences[{i}]")
         params = s.make_params(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
             max_tokens=cap,
             stop=stops,
         )

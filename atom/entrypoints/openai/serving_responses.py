@@ -358,8 +358,8 @@ class ServingResponses:
             req.max_output_tokens, "max_output_tokens", len(rendered.token_ids), "input"
         )
         params = s.make_params(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
+            temperature=req.temperature,
+            top_p=req.top_p,
             seed=req.seed,
             max_tokens=cap,
         )

@@ -126,9 +126,9 @@ def sampling_params(
 ) -> SamplingParams:
     """The SamplingParams of a Chat or Completions request whose output cap is resolved."""
     return serving.make_params(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(0, req.top_k or 0),
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=None if req.top_k is None else max(0, req.top_k),
         seed=req.seed,
         max_tokens=cap,
         stop=stop_list(req.stop),
