@@ -112,7 +112,8 @@ def test_penalties_change_a_completion(client, model_id):
         ({"extra_body": {"echo": True}}, "echo"),
         ({"extra_body": {"best_of": 3}}, "best_of"),
         ({"suffix": "x"}, "suffix"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
+        ({"n": 2, "stream": True}, "n"),
         ({"max_tokens": 10**7}, "max_tokens"),
     ],
 )
@@ -120,6 +121,25 @@ def test_completion_refusals_name_the_field(client, model_id, kw, param):
     with pytest.raises(openai.BadRequestError) as info:
         _complete(client, model_id, **kw)
     assert info.value.body["param"] == param
+
+
+def test_n_samples_on_completions_and_chat(client, model_id):
+    r = _complete(client, model_id, n=3, temperature=1.0, seed=7, max_tokens=8)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.text for c in r.choices}) > 1  # different seeds, different samples
+    assert r.usage.completion_tokens == 24 and r.usage.total_tokens == r.usage.prompt_tokens + 24
+    again = _complete(client, model_id, n=3, temperature=1.0, seed=7, max_tokens=8)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]  # reproducible
+    chat = client.chat.completions.create(
+        model=model_id,
+        messages=[{"role": "user", "content": "Pick one."}],
+        n=2,
+        temperature=1.0,
+        max_tokens=4,
+        extra_body={"guided_choice": ["left", "right"]},
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert all(c.message.content in ("left", "right") for c in chat.choices)
 
 
 def test_tokenize_detokenize_version(server, model_id):

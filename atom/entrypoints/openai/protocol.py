@@ -316,6 +316,7 @@ class SamplingFields(VllmFields):
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    n: int | None = Field(default=1, ge=1)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -323,7 +324,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    n: int | None = Field(default=1, ge=1, le=1)
     response_format: ChatResponseFormat | None = None
     reasoning_effort: str | None = None
     thinking: ChatThinking | None = None
@@ -341,7 +341,6 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    n: int | None = Field(default=1, ge=1, le=1)
     suffix: None = None
     user: str | None = None
 

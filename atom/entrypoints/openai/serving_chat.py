@@ -44,6 +44,7 @@ from atom.entrypoints.openai.protocol import (
     ChatTextPart,
 )
 from atom.entrypoints.openai.request_headers import request_id_of
+from atom.entrypoints.openai.samples import check_n, collect_samples
 from atom.entrypoints.openai.serving_engine import (
     RenderedPrompt,
     ServingContext,
@@ -153,6 +154,17 @@ def _stop_reason(done: Finished) -> dict[str, str]:
     return {} if done.stop_string is None else {"stop_reason": done.stop_string}
 
 
+def _add_usage(total: CompletionUsage, more: CompletionUsage) -> CompletionUsage:
+    """The usage of several samples of one prompt: the prompt counted once."""
+    total.completion_tokens += more.completion_tokens
+    total.total_tokens += more.completion_tokens
+    if total.completion_tokens_details and more.completion_tokens_details:
+        total.completion_tokens_details.reasoning_tokens = (
+            total.completion_tokens_details.reasoning_tokens or 0
+        ) + (more.completion_tokens_details.reasoning_tokens or 0)
+    return total
+
+
 class ServingChat:
     def __init__(self, serving: ServingContext):
         self.s = serving
@@ -189,6 +201,7 @@ class ServingChat:
                     param="max_completion_tokens",
                 )
         refuse_unsupported(req)
+        n = check_n(req.n, req.stream)
         thinking = s.resolve_thinking(
             req.reasoning_effort, _thinking_toggle(req), "reasoning_effort"
         )
@@ -213,16 +226,16 @@ class ServingChat:
         params.structured_output = await constrain(
             s, req, req.response_format, rendered, params, "chat"
         )
-        tracker = s.metrics.tracker("chat")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            tracker = s.metrics.tracker("chat")
             return SSEResponse(
                 self._stream(request_id, req, rendered, params, tracker, include_usage, top)
             )
-        final, logprobs = await run_until_disconnect(
-            raw_request, s.collect(request_id, rendered, params, tracker)
+        samples = await run_until_disconnect(
+            raw_request, collect_samples(s, request_id, rendered, params, "chat", n)
         )
-        return await self._full_response(request_id, req, rendered, params, final, logprobs, top)
+        return await self._full_response(request_id, req, rendered, params, samples, top)
 
     def _usage(self, done: Finished) -> CompletionUsage:
         usage = CompletionUsage(
@@ -243,34 +256,48 @@ class ServingChat:
         req: ChatCompletionRequest,
         rendered: RenderedPrompt,
         params: SamplingParams,
-        final: RequestOutput,
-        logprobs: list[TokenLogprob],
+        samples: list[tuple[RequestOutput, list[TokenLogprob]]],
         top: int,
     ) -> dict[str, Any]:
-        reasoning, text = self.s.split_reasoning(rendered, final.text)
-        done = await settle(self.s, rendered, params, final, reasoning, text)
-        if isinstance(done, Failed):
-            raise done.error
-        message: dict[str, Any] = {"role": "assistant", "content": done.answer}
-        if self.s.dialect is not None and (done.reasoning or rendered.in_reasoning):
-            message["reasoning_content"] = done.reasoning
-        entries = self._logprobs(logprobs, top) if req.logprobs else None
-        choice = Choice(
-            index=0,
-            message=ChatCompletionMessage(**message),
-            logprobs=None if entries is None else ChoiceLogprobs(content=entries),
-            finish_reason=done.finish_reason,
-            **_stop_reason(done),
-        )
+        choices, usage = [], None
+        for index, (final, logprobs) in enumerate(samples):
+            reasoning, text = self.s.split_reasoning(rendered, final.text)
+            done = await settle(self.s, rendered, params, final, reasoning, text)
+            if isinstance(done, Failed):
+                raise done.error
+            choices.append(
+                self._choice(index, rendered, done, logprobs if req.logprobs else None, top)
+            )
+            usage = self._usage(done) if usage is None else _add_usage(usage, self._usage(done))
         completion = ChatCompletion(
             id=request_id,
             object="chat.completion",
             created=int(time.time()),
             model=req.model,
-            choices=[choice],
-            usage=self._usage(done),
+            choices=choices,
+            usage=usage,
         )
         return wire(completion)
+
+    def _choice(
+        self,
+        index: int,
+        rendered: RenderedPrompt,
+        done: Finished,
+        logprobs: list[TokenLogprob] | None,
+        top: int,
+    ) -> Choice:
+        message: dict[str, Any] = {"role": "assistant", "content": done.answer}
+        if self.s.dialect is not None and (done.reasoning or rendered.in_reasoning):
+            message["reasoning_content"] = done.reasoning
+        entries = self._logprobs(logprobs, top)
+        return Choice(
+            index=index,
+            message=ChatCompletionMessage(**message),
+            logprobs=None if entries is None else ChoiceLogprobs(content=entries),
+            finish_reason=done.finish_reason,
+            **_stop_reason(done),
+        )
 
     async def _stream(
         self,

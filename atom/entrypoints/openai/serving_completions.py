@@ -29,6 +29,7 @@ from atom.entrypoints.openai.pieces import (
 )
 from atom.entrypoints.openai.protocol import CompletionRequest
 from atom.entrypoints.openai.request_headers import request_id_of
+from atom.entrypoints.openai.samples import check_n, collect_samples
 from atom.entrypoints.openai.serving_engine import (
     RenderedPrompt,
     ServingContext,
@@ -77,28 +78,34 @@ class ServingCompletions:
         s = self.s
         s.check_model(req.model)
         refuse_unsupported(req)
+        n = check_n(req.n, req.stream)
         rendered = await anyio.to_thread.run_sync(self._render, req.prompt)
         cap = s.resolve_cap(req.max_tokens, "max_tokens", len(rendered.token_ids), "prompt")
         params = sampling_params(s, req, cap, req.logprobs)
         request_id = request_id_of(raw_request, "cmpl-")
         params.structured_output = await constrain(s, req, None, rendered, params, "completions")
-        tracker = s.metrics.tracker("completions")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            tracker = s.metrics.tracker("completions")
             pieces = generate_pieces(s, request_id, rendered, params, tracker)
             return SSEResponse(self._stream(request_id, req, pieces, include_usage))
-        final, logprobs = await run_until_disconnect(
-            raw_request, s.collect(request_id, rendered, params, tracker)
+        samples = await run_until_disconnect(
+            raw_request, collect_samples(s, request_id, rendered, params, "completions", n)
         )
-        reasoning, answer = s.split_reasoning(rendered, final.text)
-        done = await settle(s, rendered, params, final, reasoning, answer)
-        if isinstance(done, Failed):
-            raise done.error
-        lp = self._logprobs(logprobs, req.logprobs, 0)
-        choice = CompletionChoice(
-            finish_reason=done.finish_reason, index=0, text=final.text, logprobs=lp
-        )
-        return wire(self._completion(request_id, req.model, [choice], _usage(done)))
+        choices, usage = [], None
+        for index, (final, logprobs) in enumerate(samples):
+            reasoning, answer = s.split_reasoning(rendered, final.text)
+            done = await settle(s, rendered, params, final, reasoning, answer)
+            if isinstance(done, Failed):
+                raise done.error
+            lp = self._logprobs(logprobs, req.logprobs, 0)
+            choices.append(
+                CompletionChoice(
+                    finish_reason=done.finish_reason, index=index, text=final.text, logprobs=lp
+                )
+            )
+            usage = _usage(done, usage)
+        return wire(self._completion(request_id, req.model, choices, usage))
 
     @staticmethod
     def _completion(request_id: str, model: str, choices: list, usage: Any = None) -> Completion:
@@ -175,9 +182,11 @@ class ServingCompletions:
         return data_event(self._completion(request_id, req.model, [choice]))
 
 
-def _usage(done: Finished) -> CompletionUsage:
+def _usage(done: Finished, before: CompletionUsage | None = None) -> CompletionUsage:
+    """The usage of `done`, added to that of the prompt's earlier samples (`before`)."""
+    completion = done.output_tokens + (before.completion_tokens if before else 0)
     return CompletionUsage(
         prompt_tokens=done.prompt_tokens,
-        completion_tokens=done.output_tokens,
-        total_tokens=done.prompt_tokens + done.output_tokens,
+        completion_tokens=completion,
+        total_tokens=done.prompt_tokens + completion,
     )
