@@ -62,6 +62,7 @@ def bind(engine: Any, params: SamplingParams) -> SamplingParams:
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
         multimodal_param=None,
         tools=None,
         param=PARAM,

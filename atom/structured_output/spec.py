@@ -112,6 +112,7 @@ def check_request_features(
     multimodal_param: str | None,
     tools: list | None,
     param: str,
+    min_tokens: int = 0,
 ) -> None:
     """Features that cannot be combined with an output constraint (raises, naming the field).
     Constrained logprobs with speculative decoding join this list with speculative decoding."""
@@ -131,6 +132,12 @@ def check_request_features(
         raise UnsupportedWithConstraint(
             "custom stop token ids cannot be combined with a constrained output format",
             "stop_token_ids",
+        )
+    if min_tokens:
+        raise UnsupportedWithConstraint(
+            "min_tokens cannot be combined with a constrained output format (the grammar may "
+            "end the answer sooner)",
+            "min_tokens",
         )
     if ignore_eos:
         raise UnsupportedWithConstraint(

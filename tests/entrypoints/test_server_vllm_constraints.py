@@ -143,6 +143,7 @@ def _bad(client, model_id, extra) -> openai.BadRequestError:
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice"),
         ({"guided_regex": "a", "structured_outputs": {"regex": "a"}}, "guided_regex"),
         ({"guided_regex": "a", "stop": ["x"]}, "stop"),
+        ({"guided_regex": "a", "min_tokens": 3}, "min_tokens"),
         ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
         ({"use_beam_search": True}, "use_beam_search"),
     ],

@@ -120,6 +120,7 @@ async def structured_output_preflight(
             stop=list(params.stop or []),
             stop_token_ids=list(params.stop_token_ids or []),
             ignore_eos=params.ignore_eos,
+            min_tokens=params.min_tokens,
             multimodal_param=_multimodal_param(request, endpoint),
             tools=serving.filter_tools(getattr(request, "tools", None), "tools"),
             param=param,
