@@ -83,3 +83,12 @@ def test_features_that_cannot_be_combined(llm):
     with pytest.raises(UnsupportedWithConstraint) as info:
         llm.generate(["x"], params, use_tqdm=False)
     assert info.value.param == "stop"
+
+
+def test_a_text_constraint_is_not_json(llm):
+    """A regex answer may look like JSON with a repeated key: only JSON answers have keys (the
+    repeated-key guard of JSON formats must not refuse it), and whitespace is kept."""
+    answer = '{"a": 1, "a": 2}'
+    regex = r'\{"a": 1, "a": 2\}'
+    out = llm.generate(["x"], _params(regex=regex), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.text == answer, out
