@@ -9,19 +9,26 @@ from typing import Any, get_args
 from atom.config import EngineConfig, ServerConfig, SpeculativeMethod, StructuredOutputWhitespace
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
-    g = p.add_argument_group("engine")
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
     g.add_argument(
         "--model",
         default=None,
-        help="HF folder (config.json + safetensors + tokenizer) or a .gguf file; "
-        "default: the embedded SmolLM2-135M-Instruct",
+        help="HF folder (config.json + safetensors + tokenizer), a .gguf file, or a Hugging Face "
+        "model id (from the local HF cache, else downloaded); default: the embedded "
+        "SmolLM2-135M-Instruct",
     )
+    g.add_argument("--revision", default=None, help="revision of a Hugging Face model id")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     g.add_argument(
         "--served-model-name", default=None, help="model id clients send (default: derived)"
     )
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    d = EngineConfig()
+    g = p.add_argument_group("engine")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
     g.add_argument(
@@ -48,7 +55,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--gpu-memory-utilization",
         type=float,
         default=d.gpu_memory_utilization,
-        help="share of free GPU memory given to the KV cache on CUDA",
+        help="share of total GPU memory this engine may use; the KV cache gets what the weights "
+        "leave of it (CUDA)",
     )
     g.add_argument("--seed", type=int, default=d.seed, help="engine seed")
     _add_parallel_args(g, d)
@@ -112,6 +120,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
+        revision=args.revision,
         tokenizer=args.tokenizer,
         served_model_name=args.served_model_name,
         dtype=args.dtype,
@@ -156,6 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("json-tags", "dsml"),
         default=None,
         help="the tool-call format the model writes (default: the deployment adapter's)",
+    )
+    serve.add_argument(
+        "--chat-template", default=None, help="Jinja chat template file (default: the tokenizer's)"
+    )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key on /v1 routes (Authorization: Bearer; x-api-key on /v1/messages)",
     )
     serve.add_argument(
         "--structured-output-processes",
@@ -301,6 +318,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         timeout_body_s=args.timeout_body,
         timeout_keep_alive_s=args.timeout_keep_alive,
         max_connections=args.max_connections,
+        api_key=args.api_key,
+        chat_template=args.chat_template,
     )
 
 

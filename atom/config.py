@@ -28,6 +28,9 @@ class EngineConfig:
     # Path to an HF folder or a .gguf file; None means the embedded SmolLM2-135M-Instruct.
     model: str | None = None
     tokenizer: str | None = None  # defaults to the model's own tokenizer
+    # A Hugging Face model id (`--model org/name`) is resolved through the local HF cache at this
+    # revision (branch, tag or commit; default "main"), downloaded when the hub is reachable.
+    revision: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)
     device: str = "auto"  # auto | cpu | cuda
@@ -37,7 +40,8 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_bytes: int | None = None  # explicit KV cache size; default: 512 MiB on CPU
-    gpu_memory_utilization: float = 0.85  # share of free GPU memory for the KV cache on CUDA
+    # Share of the GPU's total memory this engine may use (weights + KV cache), as in vLLM.
+    gpu_memory_utilization: float = 0.85
     # Ranks: one worker process per tensor-parallel rank (model_engine/multiproc_executor.py);
     # pipeline parallelism is not supported (refused).
     tensor_parallel_size: int = 1
@@ -72,6 +76,8 @@ class EngineConfig:
                 f"structured_output_whitespace must be one of "
                 f"{get_args(StructuredOutputWhitespace)}, not {self.structured_output_whitespace!r}"
             )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
         self._check_speculative()
         self._check_parallel()
 
@@ -126,3 +132,7 @@ class ServerConfig:
     timeout_body_s: float = 30.0  # a request's body must arrive within this after its headers
     timeout_keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
     max_connections: int = 1024  # open connections; one more gets a 503 and is closed
+    # Required on /v1 routes when set (Bearer, or x-api-key on /v1/messages).
+    api_key: str | None = None
+    # A Jinja chat template file used instead of the tokenizer's own.
+    chat_template: str | None = None

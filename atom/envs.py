@@ -32,3 +32,17 @@ def relaxed_mtp_delta() -> float:
 
 def log_level() -> str:
     return os.environ.get("ATOM_LOG_LEVEL", "INFO").upper()
+
+
+def hf_hub_offline() -> bool:
+    """Hugging Face's own switch: resolve model ids from the local HF cache only."""
+    return _flag("HF_HUB_OFFLINE")
+
+
+def hf_cache_dir() -> str | None:
+    """The HF hub cache (HF_HUB_CACHE, else HF_HOME/hub; None: huggingface_hub's default)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return str(Path(os.environ["HF_HOME"]) / "hub")
+    return None

@@ -36,6 +36,7 @@ class LLM:
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
+        per_prompt = self._bind(per_prompt)
         order: dict[str, int] = {}
         for prompt, p in zip(prompts, per_prompt, strict=True):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -52,9 +53,30 @@ class LLM:
                     logprobs[out.request_id] += out.logprobs or []
                     if out.finished:
                         lps = logprobs[out.request_id] if out.logprobs is not None else None
-                        results[order[out.request_id]] = dataclasses.replace(out, logprobs=lps)
+                        i = order[out.request_id]
+                        out = dataclasses.replace(out, logprobs=lps)
+                        results[i] = self._checked(per_prompt[i], out)
                         bar.update()
         return results  # type: ignore[return-value]
+
+    def _bind(self, per_prompt: list[SamplingParams]) -> list[SamplingParams]:
+        """Admit every offline output constraint (``StructuredOutputParams``) before anything
+        is queued: a refused one raises ``FormatError`` naming its field (and the JSON pointer
+        of a schema keyword) or ``AdmissionError``. Each distinct params object once."""
+        if not any(p.structured_output is not None for p in per_prompt):
+            return per_prompt
+        from atom.structured_output.offline import bind
+
+        bound = {id(p): bind(self.engine, p) for p in per_prompt}
+        return [bound[id(p)] for p in per_prompt]
+
+    @staticmethod
+    def _checked(params: SamplingParams, out: RequestOutput) -> RequestOutput:
+        if params.structured_output is None:
+            return out
+        from atom.structured_output.offline import checked
+
+        return checked(params, out)
 
     def chat(
         self,

@@ -23,6 +23,7 @@ rank, as on every other terminal path.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -95,6 +96,11 @@ class EngineCore:
 
     def add_request(self, seq: Sequence) -> None:
         """Accept a request (a constrained one waits in the scheduler for its grammar)."""
+        params = seq.params
+        if params.min_tokens and not params.min_tokens_stop_ids:
+            eos = set() if params.ignore_eos else self.eos_token_ids
+            stops = tuple(sorted(eos | set(params.stop_token_ids)))
+            seq.params = dataclasses.replace(params, min_tokens_stop_ids=stops)
         self.states[seq.request_id] = _RequestState(
             seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params)
         )

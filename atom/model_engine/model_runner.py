@@ -41,6 +41,8 @@ from atom.model_engine.step_inputs import StepInputs, build_step_inputs
 from atom.model_loader.weights import build_model
 from atom.model_ops.attention import prepare_attention
 from atom.model_ops.context import AttentionContext, set_context
+from atom.model_ops.penalties import PenaltyTensors, apply_penalties, build_penalties
+from atom.model_ops.penalties import to_device as penalties_to_device
 from atom.model_ops.sampler import Sampler, SamplingTensors, compute_logprobs
 from atom.models.llama import head_dim_of
 from atom.spec_decode.speculator import Speculator
@@ -77,6 +79,20 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def kv_budget_of_total(free: int, total: int, utilization: float) -> int:
+    """vLLM's meaning of --gpu-memory-utilization: this process may use that share of the
+    GPU's total memory; the KV cache gets what of it is not in use yet (weights, other
+    processes). Raises when nothing is left."""
+    in_use = total - free
+    budget = int(total * utilization) - in_use
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization {utilization} allows {int(total * utilization)} bytes, but "
+            f"{in_use} are already in use: nothing is left for the KV cache"
+        )
+    return budget
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, hf_config, rank: int = 0):
         self.config = config
@@ -110,7 +126,8 @@ class ModelRunner:
             torch.set_num_threads(1)
 
     def _allocate_kv_cache(self, hf_config) -> None:
-        """Size the paged cache by bytes (CPU default 512 MiB) or a share of free GPU memory."""
+        """Size the paged cache by bytes (CPU default 512 MiB) or, on CUDA, by what remains of
+        the given share of total GPU memory once the weights (and all else in use) are loaded."""
         num_layers = hf_config.num_hidden_layers
         attn = self.model.model.layers[0].self_attn
         num_kv_heads, head_dim = attn.num_kv_heads, head_dim_of(hf_config)
@@ -120,8 +137,8 @@ class ModelRunner:
             block_bytes += self.speculator.block_bytes(self.block_size)
         budget = self.config.kv_cache_bytes
         if budget is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * self.config.gpu_memory_utilization)
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = kv_budget_of_total(free, total, self.config.gpu_memory_utilization)
         elif budget is None:
             budget = CPU_KV_CACHE_BYTES
         self.num_blocks = budget // block_bytes
@@ -233,6 +250,8 @@ class ModelRunner:
         raw_logprobs = None
         if logits is not None and any(k is not None for k in want):
             raw_logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
+        if logits is not None and any(s.params.penalized for s in sample_seqs):
+            apply_penalties(logits, self._penalties(sample_seqs, logits.shape[1]))
         step = _Unsampled(sample_seqs, logits, raw_logprobs, want)
         if batch.has_drafts:
             step.drafts = list(compress(batch.draft_token_ids, batch.sampling))
@@ -400,12 +419,32 @@ class ModelRunner:
         vocab = self.model.lm_head.org_vocab_size
         top_ks = [s.params.top_k if s.params.top_k > 0 else vocab for s in seqs]
         top_ps = [s.params.top_p for s in seqs]
+        min_ps = [s.params.min_p for s in seqs]
         return SamplingTensors(
             temperatures=self._to_device(temps, torch.float32),
             top_ks=self._to_device(top_ks, torch.long) if any(k < vocab for k in top_ks) else None,
             top_ps=self._to_device(top_ps, torch.float32) if any(p < 1 for p in top_ps) else None,
             generators=[self._generator(s) for s in seqs],
+            min_ps=self._to_device(min_ps, torch.float32) if any(min_ps) else None,
         )
+
+    def _penalties(self, seqs: list[Sequence], vocab: int) -> PenaltyTensors:
+        """The penalized rows' settings and token history. A row's last token is this step's
+        placeholder; an output token before it that the host has not read yet is taken on the
+        device from the step that sampled it (as `_fill_placeholders` does for inputs)."""
+        rows = [i for i, s in enumerate(seqs) if s.params.penalized]
+        chosen = [seqs[i] for i in rows]
+        outputs = [s.token_ids[s.num_prompt_tokens : len(s.token_ids) - 1] for s in chosen]
+        prompts = [s.prompt_token_ids for s in chosen]
+        host = build_penalties(rows, [s.params for s in chosen], outputs, prompts, vocab)
+        t = penalties_to_device(host, self.device)
+        for r, (seq, out) in enumerate(zip(chosen, outputs, strict=True)):
+            holes = [c for c, token in enumerate(out) if token == PLACEHOLDER]
+            if holes:
+                source = self._sampled_in[seq.seq_id]
+                token = source.token_ids[source.rows[seq.seq_id]]
+                t.output_ids[r, holes] = token
+        return t
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         """A per-request RNG for seeded requests, kept across steps (and preemptions)."""

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from atom import envs
 from atom.config import EngineConfig
+from atom.model_loader.hub import hub_snapshot, is_hub_id
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,15 @@ def resolve_model(config: EngineConfig) -> Path:
     """Return the HF folder to load for `config.model` (converting a GGUF on first use)."""
     if config.model is None:
         return _convert_gguf(embedded_gguf())
+    if is_hub_id(config.model):
+        try:
+            path = hub_snapshot(config.model, config.revision)
+        except Exception as e:  # noqa: BLE001 - any hub or cache failure is a load error
+            raise ModelLoadError(f"cannot resolve model id {config.model}: {e}") from None
+        _check_hf_folder(path)
+        return path
+    if config.revision is not None:
+        raise ModelLoadError("--revision applies to a Hugging Face model id, not a local path")
     path = Path(config.model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
@@ -72,6 +82,8 @@ def served_name(config: EngineConfig, folder: Path) -> str:
         return config.served_model_name
     if config.model is None:
         return EMBEDDED_NAME
+    if is_hub_id(config.model):
+        return config.model
     path = Path(config.model)
     if path.suffix == ".gguf":
         return _QUANT_SUFFIX.sub("", path.stem)

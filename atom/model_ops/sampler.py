@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds; raw logprobs.
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds; raw logprobs.
 
 Sampling draws `argmax(probs / E)` with `E ~ Exp(1)` (equivalent to a categorical draw), so a
 seeded request only needs its own exponential noise row from its own `torch.Generator`, and the
@@ -23,6 +23,7 @@ class SamplingTensors:
     top_ks: torch.Tensor | None  # [N] long (vocab size where disabled); None: no row uses it
     top_ps: torch.Tensor | None  # [N] float (1.0 where disabled); None: no row uses it
     generators: list[torch.Generator | None]  # per row; None uses the global RNG
+    min_ps: torch.Tensor | None = None  # [N] float (0.0 where disabled); None: no row uses it
 
 
 @dataclass
@@ -49,7 +50,8 @@ class Sampler(nn.Module):
             return greedy_ids
         greedy = t.temperatures == 0
         temps = torch.where(greedy, 1.0, t.temperatures).unsqueeze(1)
-        logits = _apply_top_k_top_p(logits.float() / temps, t.top_ks, t.top_ps)
+        logits = _apply_min_p(logits.float() / temps, t.min_ps)
+        logits = _apply_top_k_top_p(logits, t.top_ks, t.top_ps)
         probs = logits.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_()  # unseeded rows: the global RNG
         for row, gen in enumerate(t.generators):  # seeded rows: their own stream, as before
@@ -57,6 +59,15 @@ class Sampler(nn.Module):
                 noise[row].exponential_(generator=gen)
         sampled = probs.div(noise).argmax(dim=-1)
         return torch.where(greedy, greedy_ids, sampled)
+
+
+def _apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor | None) -> torch.Tensor:
+    """Set to -inf the logits whose probability is below min_p times the row's top one
+    (after temperature): p < min_p * p_max, i.e. logit < max logit + log(min_p)."""
+    if min_ps is None:
+        return logits
+    top = logits.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(logits < top + min_ps.log().unsqueeze(1), float("-inf"))
 
 
 def _apply_top_k_top_p(

@@ -39,6 +39,14 @@ def api_fingerprint(tokenizer: Any, stop_token_ids: list[int], vocab_size: int) 
     return fingerprint
 
 
+def rank_results_ready(results: list[dict]) -> bool:
+    """Whether every rank's admission answer is ready (``AdmissionError`` when one refused)."""
+    for r in results:
+        if r["status"] == "error":
+            raise AdmissionError(f"rank {r.get('rank', '?')}: {r['message']}")
+    return bool(results) and all(r["status"] == "ready" for r in results)
+
+
 async def admit_on_workers(
     rpc: Any,
     spec: StructuredOutputSpec,
@@ -58,10 +66,7 @@ async def admit_on_workers(
     delay = _POLL_FIRST_S
     while True:
         results = await rpc("structured_output_admit", spec, fingerprint, vocab_size)
-        for r in results:
-            if r["status"] == "error":
-                raise AdmissionError(f"rank {r.get('rank', '?')}: {r['message']}")
-        if results and all(r["status"] == "ready" for r in results):
+        if rank_results_ready(results):
             return
         if time.monotonic() > deadline:
             raise AdmissionError(f"grammar compilation did not finish within {timeout_s:.0f} s")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from atom.structured_output.json_validator import re2_validator
 from atom.structured_output.schema import canonical
+from atom.structured_output.text_constraints import TEXT_KINDS, text_answer_error
 
 if TYPE_CHECKING:
     from atom.structured_output.spec import OutputConstraint
@@ -80,6 +81,8 @@ def validate_answer(constraint: OutputConstraint, text: str) -> None:
 def answer_error(kind: str, schema: object, text: str) -> str | None:
     """Why ``text`` does not satisfy the format ``kind``/``schema`` (None: it does). What a
     worker process runs for the server, so it takes no prepared schema."""
+    if kind in TEXT_KINDS:
+        return text_answer_error(kind, schema, text)
     try:
         value = parse_answer(text)
     except AnswerValidationError as exc:

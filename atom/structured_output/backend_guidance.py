@@ -267,9 +267,9 @@ class GuidanceBackend:
         self.tokenizer_size = len(hf_tokenizer)
         self.limits = parser_limits()
 
-    def grammar(self, lowered: dict | bool | ToolGrammar) -> str:
-        """The validated llguidance grammar for a lowered schema or a tool turn's grammar
-        (raises ``GrammarError``)."""
+    def grammar(self, lowered: dict | bool | str | ToolGrammar) -> str:
+        """The validated llguidance grammar for a lowered schema, a tool turn's grammar, or the
+        Lark text of a text constraint (raises ``GrammarError``)."""
         from llguidance import LLMatcher
 
         from atom.structured_output.tool_grammar import ToolGrammar
@@ -281,6 +281,8 @@ class GuidanceBackend:
             # ValueError: an untranslatable pattern is a GrammarError like any other).
             if isinstance(lowered, ToolGrammar):
                 grammar = LLMatcher.grammar_from_lark(lowered.lark(self._embedded_json))
+            elif isinstance(lowered, str):  # a text constraint's Lark grammar (text_constraints)
+                grammar = LLMatcher.grammar_from_lark(lowered)
             else:
                 schema = self._schema({} if lowered is True else lowered)
                 grammar = LLMatcher.grammar_from_json_schema(schema, overrides=self.json_options)
@@ -303,11 +305,11 @@ class GuidanceBackend:
         """A schema inside a Lark grammar, with this backend's strict options as its own."""
         return json.dumps({**self._schema(lowered), "x-guidance": self.json_options})
 
-    def compile(self, lowered: dict | bool) -> LLMatcher:
+    def compile(self, lowered: dict | bool | str) -> LLMatcher:
         """A pristine matcher for the schema; requests get ``deep_copy()`` of it."""
         return self.compiler(lowered)()
 
-    def compiler(self, lowered: dict | bool) -> Callable[[], LLMatcher]:
+    def compiler(self, lowered: dict | bool | str) -> Callable[[], LLMatcher]:
         """A function that compiles the schema as it would be compiled now (the same grammar
         text and parser limits), as often as asked: a grammar's lanes are made with it."""
         return functools.partial(self._matcher, self.grammar(lowered), self.limits)

@@ -59,10 +59,26 @@ class _Failed:
     message: str
 
 
-def _grammar_source(spec: Any) -> tuple[str, dict | bool]:
+def _grammar_source(spec: Any) -> tuple[str, dict | bool | str]:
     """(cache key, lowered schema) of a ``PreparedSchema`` or an ``OutputConstraint``."""
     prepared = getattr(spec, "prepared", spec)
     return prepared.key, prepared.lowered
+
+
+class _NoKeys:
+    """The key tracker of an answer that is not JSON: nothing to watch, nothing repeated."""
+
+    repeated = False
+    guard = False
+
+    def feed(self, data: bytes) -> None:
+        return None
+
+    def copy(self) -> _NoKeys:
+        return self
+
+
+_NO_KEYS = _NoKeys()
 
 
 class GrammarState:
@@ -86,6 +102,7 @@ class GrammarState:
         masks: dict[str, torch.Tensor],
         end_marker: bytes | None,
         key_index: KeyTokenIndex,
+        json_answer: bool = True,
     ) -> None:
         self.request_id = request_id
         self.matcher = matcher
@@ -105,7 +122,9 @@ class GrammarState:
         self.active = not self._marker
         self._tail = b""
         self._key_index = key_index
-        self.keys = KeyTracker(key_index.watched)
+        # Only a JSON answer has keys; a text constraint's (``text_constraints``) never does.
+        self._json = json_answer
+        self.keys = KeyTracker(key_index.watched) if json_answer else _NO_KEYS
         self._answer = bytearray()  # the bytes the matcher consumed: rollback replays ``keys``
         # Per committed token: (matcher tokens consumed, active, tail, answer length) before it.
         self._history: list[tuple[int, bool, bytes, int]] = []
@@ -143,7 +162,8 @@ class GrammarState:
             self._tail = data[len(data) - len(self._marker) + 1 :]
             return True, 0
         self.active, self._tail = True, b""
-        rest = data[at + len(self._marker) :].lstrip(JSON_WHITESPACE)
+        rest = data[at + len(self._marker) :]
+        rest = rest.lstrip(JSON_WHITESPACE) if self._json else rest
         if not rest:
             return True, 0
         extra = self._backend.tokenize_bytes(rest)
@@ -201,7 +221,8 @@ class GrammarState:
         if undo:
             _, self.active, self._tail, answer_length = undo[0]
             del self._answer[answer_length:]
-            self.keys = KeyTracker.replay(bytes(self._answer), self._key_index.watched)
+            if self._json:
+                self.keys = KeyTracker.replay(bytes(self._answer), self._key_index.watched)
 
     def wants_mask(self, words: np.ndarray, row: int) -> bool:
         """Whether ``row`` needs llguidance's mask (then ``check_row`` once it is written);
@@ -362,7 +383,7 @@ class StructuredOutputManager:
             found = found.result()
         return self._result(found)
 
-    def _lookup(self, key: str, lowered: dict | bool) -> CompiledGrammar | _Failed | Future:
+    def _lookup(self, key: str, lowered: dict | bool | str) -> CompiledGrammar | _Failed | Future:
         """The cached entry of ``key``, else the future of its compile (started if needed)."""
         with self._lock:
             entry = self._ready.get(key)
@@ -381,7 +402,7 @@ class StructuredOutputManager:
             return AdmissionResult("error", entry.message)
         return AdmissionResult("ready")
 
-    def _compile(self, key: str, lowered: dict | bool) -> CompiledGrammar | _Failed:
+    def _compile(self, key: str, lowered: dict | bool | str) -> CompiledGrammar | _Failed:
         """Background thread: compile without the lock, then publish under it."""
         try:
             compile_again = self.backend.compiler(lowered)
@@ -431,6 +452,7 @@ class StructuredOutputManager:
             self.masks,
             getattr(spec, "end_marker", None),
             self.key_index,
+            json_answer=not isinstance(_grammar_source(spec)[1], str),
         )
         state.lane = lane
         with self._lock:

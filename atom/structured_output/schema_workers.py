@@ -56,13 +56,14 @@ def _serve(conn: Any) -> None:
         conn.send(operations[operation](*args))
 
 
-def _prepare(schema: object) -> tuple:
+def _prepare(kind: str, schema: object) -> tuple:
     """``("ok", PreparedSchema)`` or ``("error", message with the JSON pointer)``: exceptions
     with extra fields do not pickle faithfully."""
-    from atom.structured_output.schema import SchemaError, prepare_schema
+    from atom.structured_output.schema import SchemaError
+    from atom.structured_output.spec import prepare_format
 
     try:
-        return ("ok", prepare_schema(schema))
+        return ("ok", prepare_format(kind, schema))
     except SchemaError as exc:
         return ("error", str(exc))
 
@@ -127,11 +128,11 @@ class SchemaWorkers:
         outcomes are cached: a repeated schema, even a hostile one, costs a lookup."""
         if fmt.kind == "json_object":
             return fmt.prepare()
-        key = _cache_key(fmt.schema)
+        key = _cache_key([fmt.kind, fmt.schema])
         outcome = self._cached(key)
         if outcome is None:
             try:
-                outcome = await self._run("prepare", fmt.schema)
+                outcome = await self._run("prepare", fmt.kind, fmt.schema)
             except BudgetExceeded:
                 outcome = ("error", f"schema preparation took longer than {self.budget_s:g} s")
             except WorkerFailed as exc:

@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from atom.structured_output.schema import PreparedSchema, SchemaError, prepare_schema
+from atom.structured_output.text_constraints import TEXT_KINDS, prepare_text_constraint
+
+# JSON formats, and the text constraints of ``text_constraints`` (whose ``schema`` holds the
+# regex, the list of choices or the Lark grammar).
+FormatKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
 
 if TYPE_CHECKING:
     from atom.structured_output.tool_grammar import ToolGrammar
@@ -40,7 +45,7 @@ class UnsupportedWithConstraint(FormatError):
 class OutputConstraint:
     """A prepared output format: what the API validates against and the workers compile."""
 
-    kind: Literal["json_object", "json_schema"]
+    kind: FormatKind
     name: str | None
     schema: object | None
     strict: bool | None
@@ -54,7 +59,7 @@ class OutputFormat:
     separate step: ``prepare`` here, or in worker processes
     (``schema_workers.SchemaWorkers.prepare``) on the server."""
 
-    kind: Literal["json_object", "json_schema"]
+    kind: FormatKind
     name: str | None
     schema: object | None
     strict: bool | None
@@ -65,11 +70,17 @@ class OutputFormat:
 
     def prepare(self) -> OutputConstraint:
         """Prepare in this thread (raises ``FormatError`` naming the schema field)."""
-        schema = {"type": "object"} if self.kind == "json_object" else self.schema
         try:
-            return self.constrained(prepare_schema(schema))
+            return self.constrained(prepare_format(self.kind, self.schema))
         except SchemaError as exc:
             raise FormatError(str(exc), self.schema_param) from None
+
+
+def prepare_format(kind: str, schema: object) -> PreparedSchema:
+    """The checked and lowered form of one format (raises ``SchemaError``)."""
+    if kind in TEXT_KINDS:
+        return prepare_text_constraint(kind, schema)
+    return prepare_schema({"type": "object"} if kind == "json_object" else schema)
 
 
 @dataclass
@@ -106,6 +117,7 @@ def check_request_features(
     multimodal_param: str | None,
     tools: list | None,
     param: str,
+    min_tokens: int = 0,
 ) -> None:
     """Features that cannot be combined with an output constraint (raises, naming the field).
     Constrained logprobs with speculative decoding join this list with speculative decoding."""
@@ -125,6 +137,12 @@ def check_request_features(
         raise UnsupportedWithConstraint(
             "custom stop token ids cannot be combined with a constrained output format",
             "stop_token_ids",
+        )
+    if min_tokens:
+        raise UnsupportedWithConstraint(
+            "min_tokens cannot be combined with a constrained output format (the grammar may "
+            "end the answer sooner)",
+            "min_tokens",
         )
     if ignore_eos:
         raise UnsupportedWithConstraint(

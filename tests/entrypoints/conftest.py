@@ -151,3 +151,18 @@ def openai_client(server):
         timeout=120,
         _strict_response_validation=True,
     )
+
+
+@pytest.fixture(scope="module")
+def start_app():
+    """``start(app)``: serve another app (e.g. other ServerConfig) with uvicorn on 127.0.0.1;
+    stopped with the module."""
+    started: list[UvicornThread] = []
+
+    def start(app) -> UvicornThread:
+        started.append(UvicornThread(app).start())
+        return started[-1]
+
+    yield start
+    for srv in started:
+        srv.stop()

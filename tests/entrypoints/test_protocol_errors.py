@@ -51,7 +51,7 @@ def test_chat_request_fields():
         }
     )
     assert r.stop == "x" and r.stream_options.include_usage
-    for bad in ({"n": 2}, {"top_logprobs": 21}, {"messages": []}):
+    for bad in ({"n": 0}, {"top_logprobs": 21}, {"messages": []}):
         with pytest.raises(ValidationError):
             ChatCompletionRequest.model_validate(
                 {"model": "m", "messages": [{"role": "user", "content": "hi"}], **bad}

@@ -145,7 +145,7 @@ def test_chat_bad_requests_use_the_openai_error_body(client, model_id):
         assert _error(e.value)["param"] == param, messages
 
     for kwargs, param in (
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"temperature": -1}, "temperature"),
         ({"response_format": {"type": "yaml"}}, "response_format"),

@@ -15,11 +15,14 @@ _FALLBACK_ROLE = {"system": "System", "user": "User", "assistant": "Assistant", 
 class HFChatEncoder:
     name = "hf"
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, template: str | None = None):
+        """``template``: a Jinja chat template used instead of the tokenizer's own."""
         self.tokenizer = tokenizer
-        self.has_template = bool(getattr(tokenizer, "chat_template", None))
+        self.template = template
+        own = template or getattr(tokenizer, "chat_template", None)
+        self.has_template = bool(own)
         # Whether the template writes tool definitions itself (else they join the system turn).
-        self.renders_tools = "tools" in str(getattr(tokenizer, "chat_template", None) or "")
+        self.renders_tools = "tools" in str(own or "")
 
     def render(
         self,
@@ -37,6 +40,8 @@ class HFChatEncoder:
         kwargs = dict(template_kwargs or {})
         if tools:
             kwargs["tools"] = tools
+        if self.template:
+            kwargs["chat_template"] = self.template
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True, **kwargs

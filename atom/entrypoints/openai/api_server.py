@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from atom import __version__
 from atom.config import EngineConfig, ServerConfig
 from atom.entrypoints.engine_client import EngineClient
 from atom.entrypoints.openai.docs import install_docs
@@ -24,16 +25,22 @@ from atom.entrypoints.openai.protocol import (
     AnthropicErrorResponse,
     AnthropicMessagesRequest,
     ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
     ResponsesRequest,
+    TokenizeRequest,
 )
+from atom.entrypoints.openai.request_headers import RequestHeaders
 from atom.entrypoints.openai.serving_chat import ServingChat
+from atom.entrypoints.openai.serving_completions import ServingCompletions
 from atom.entrypoints.openai.serving_engine import ClientDisconnected, ServingContext
 from atom.entrypoints.openai.serving_messages import ServingMessages
 from atom.entrypoints.openai.serving_models import ServingModels
 from atom.entrypoints.openai.serving_responses import ServingResponses
+from atom.entrypoints.openai.serving_tokenize import ServingTokenize
 
 logger = logging.getLogger("atom.api")
 
@@ -81,6 +88,7 @@ def build_app(engine: EngineClient, server_config: ServerConfig | None = None) -
     app.router.on_startup.append(_freeze_startup_heap)
     app.router.on_shutdown.append(serving.close)
     install_limits(app, serving)
+    app.add_middleware(RequestHeaders, api_key=serving.server_config.api_key)
     install_error_handlers(app)
 
     @app.get("/health")
@@ -128,11 +136,38 @@ def build_app(engine: EngineClient, server_config: ServerConfig | None = None) -
         except ClientDisconnected:
             return _disconnected()
 
+    _add_vllm_routes(app, serving)
+
     @app.get("/", include_in_schema=False)
     async def root() -> JSONResponse:
         return JSONResponse({"name": "atom", "models": serving.served_names, "docs": "/docs"})
 
     return app
+
+
+def _add_vllm_routes(app: FastAPI, serving: ServingContext) -> None:
+    """The endpoints vLLM users call besides Chat: legacy completions, the tokenizer, version."""
+    completions = ServingCompletions(serving)
+    tokens = ServingTokenize(serving)
+
+    @app.post("/v1/completions", responses=_ERRORS)
+    async def create_completion(req: CompletionRequest, raw_request: Request) -> Any:
+        try:
+            return await completions.create(req, raw_request)
+        except ClientDisconnected:
+            return _disconnected()
+
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        return await tokens.tokenize(req)
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        return await tokens.detokenize(req)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
 
 def _describe_start(engine: EngineClient, serving: ServingContext, host: str, port: int) -> None:

@@ -264,11 +264,71 @@ class ChatThinking(_Lenient):
     budget_tokens: int | None = None
 
 
-class ChatCompletionRequest(_RequestBody):
+# --------------------------------------------------------------------------------------------
+# vLLM's request fields (sent through the SDKs' `extra_body`)
+# --------------------------------------------------------------------------------------------
+class VllmStructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: one constraint at most. Its other knobs (whitespace
+    pattern, structural tags, fallbacks) would change results and are refused as unknown."""
+
+    json_: dict[str, Any] | StrictBool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+
+
+# vLLM fields that change results and are not implemented: a value other than the neutral one
+# given here is a 400 naming the field (never silently ignored).
+UNSUPPORTED_VLLM_FIELDS: dict[str, object] = {
+    "use_beam_search": False,
+    "best_of": 1,
+    "length_penalty": 1.0,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "truncate_prompt_tokens": None,
+    "prompt_logprobs": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "logits_processors": None,
+    "guided_whitespace_pattern": None,
+    "guided_decoding_backend": None,
+    "structural_tag": None,
+    "return_tokens_as_token_ids": False,
+    "vllm_xargs": None,
+    "echo": False,
+    "continue_final_message": False,
+    "add_generation_prompt": True,
+    "chat_template": None,
+    "chat_template_kwargs": None,
+}
+
+
+class VllmFields(_RequestBody):
+    """The constraint and sampling fields vLLM adds to Chat and Completions."""
+
+    structured_outputs: VllmStructuredOutputs | None = None
+    guided_json: dict[str, Any] | StrictBool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_json_object: StrictBool | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    logit_bias: dict[str, float] | None = None
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
+
+
+class SamplingFields(VllmFields):
+    """The sampling fields Chat and Completions share."""
+
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
@@ -276,20 +336,48 @@ class ChatCompletionRequest(_RequestBody):
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    n: int | None = Field(default=1, ge=1)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    n: int | None = Field(default=1, ge=1, le=1)
     response_format: ChatResponseFormat | None = None
     reasoning_effort: str | None = None
     thinking: ChatThinking | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    ignore_eos: bool | None = False
-    stop_token_ids: list[int] | None = None
     user: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# OpenAI (legacy) Completions, and vLLM's /tokenize and /detokenize
+# --------------------------------------------------------------------------------------------
+class CompletionRequest(SamplingFields):
+    """One prompt per request: a string or token ids (a list of one of them is accepted)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    suffix: None = None
+    user: str | None = None
+
+
+class TokenizeRequest(_RequestBody):
+    """A prompt to tokenize as /v1/completions would, or messages as Chat renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_RequestBody):
+    model: str | None = None
+    tokens: list[int]
 
 
 # --------------------------------------------------------------------------------------------
@@ -479,6 +567,8 @@ class ModelCard(_Lenient):
     output_modalities: list[str] | None = None
     reasoning_effort: ReasoningEffortCard | None = None
     deployment: str | None = None
+    # The checkpoint's generation_config.json defaults for omitted request fields.
+    generation_defaults: dict[str, float | int] | None = None
 
 
 class ModelList(_Lenient):

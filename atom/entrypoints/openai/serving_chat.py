@@ -50,6 +50,8 @@ from atom.entrypoints.openai.protocol import (
     ChatOtherPart,
     ChatTextPart,
 )
+from atom.entrypoints.openai.request_headers import request_id_of
+from atom.entrypoints.openai.samples import check_n, collect_samples
 from atom.entrypoints.openai.serving_engine import (
     RenderedPrompt,
     ServingContext,
@@ -58,6 +60,11 @@ from atom.entrypoints.openai.serving_engine import (
 )
 from atom.entrypoints.openai.sse import DONE, SSEResponse, data_event, wire
 from atom.entrypoints.openai.tool_calls import ToolRequest, preflight, read_tools
+from atom.entrypoints.openai.vllm_fields import (
+    refuse_unsupported,
+    request_constraint,
+    sampling_params,
+)
 from atom.entrypoints.tool_parsers import ToolCall
 from atom.model_engine.output import RequestOutput, TokenLogprob
 from atom.sampling_params import SamplingParams
@@ -113,16 +120,6 @@ def _thinking_toggle(req: ChatCompletionRequest) -> bool | None:
     if req.thinking.type == "disabled":
         return False
     return None
-
-
-def _stop_list(stop: str | list[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else list(stop)
-    for i, s in enumerate(stops):
-        if not s:
-            raise bad_request("stop strings must be non-empty", param=f"stop[{i}]")
-    return stops
 
 
 @dataclass
@@ -187,6 +184,17 @@ def _stop_reason(done: Finished) -> dict[str, str]:
     return {} if done.stop_string is None else {"stop_reason": done.stop_string}
 
 
+def _add_usage(total: CompletionUsage, more: CompletionUsage) -> CompletionUsage:
+    """The usage of several samples of one prompt: the prompt counted once."""
+    total.completion_tokens += more.completion_tokens
+    total.total_tokens += more.completion_tokens
+    if total.completion_tokens_details and more.completion_tokens_details:
+        total.completion_tokens_details.reasoning_tokens = (
+            total.completion_tokens_details.reasoning_tokens or 0
+        ) + (more.completion_tokens_details.reasoning_tokens or 0)
+    return total
+
+
 class ServingChat:
     def __init__(self, serving: ServingContext):
         self.s = serving
@@ -222,9 +230,8 @@ class ServingChat:
                     "max_tokens and max_completion_tokens disagree; send one of them",
                     param="max_completion_tokens",
                 )
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name):
-                raise bad_request(f"{name} is not supported by this server", param=name)
+        refuse_unsupported(req)
+        n = check_n(req.n, req.stream)
         thinking = s.resolve_thinking(
             req.reasoning_effort, _thinking_toggle(req), "reasoning_effort"
         )
@@ -244,41 +251,30 @@ class ServingChat:
         top = req.top_logprobs or 0
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
-        params = s.make_params(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(0, req.top_k or 0),
-            seed=req.seed,
-            max_tokens=cap,
-            stop=_stop_list(req.stop),
-            stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=bool(req.ignore_eos),
-            logprobs=top if req.logprobs else None,
-        )
-        request_id = random_id("chatcmpl-")
+        params = sampling_params(s, req, cap, top if req.logprobs else None)
+        request_id = request_id_of(raw_request, "chatcmpl-")
         # STRUCTURED-OUTPUT HOOK (response_format): see serving_engine.structured_output_preflight.
+        fmt, param = request_constraint(req, req.response_format)
         params.structured_output = await preflight(
             s,
             tools,
             request=req,
-            fmt=req.response_format,
-            param="response_format",
+            fmt=fmt,
+            param=param,
             rendered=rendered,
             params=params,
             endpoint="chat",
         )
-        tracker = s.metrics.tracker("chat")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            tracker = s.metrics.tracker("chat")
             return SSEResponse(
                 self._stream(request_id, req, rendered, params, tracker, include_usage, top, tools)
             )
-        final, logprobs = await run_until_disconnect(
-            raw_request, s.collect(request_id, rendered, params, tracker)
+        samples = await run_until_disconnect(
+            raw_request, collect_samples(s, request_id, rendered, params, "chat", n)
         )
-        return await self._full_response(
-            request_id, req, rendered, params, final, logprobs, top, tools
-        )
+        return await self._full_response(request_id, req, rendered, params, samples, top, tools)
 
     def _usage(self, done: Finished) -> CompletionUsage:
         usage = CompletionUsage(
@@ -299,15 +295,38 @@ class ServingChat:
         req: ChatCompletionRequest,
         rendered: RenderedPrompt,
         params: SamplingParams,
-        final: RequestOutput,
-        logprobs: list[TokenLogprob],
+        samples: list[tuple[RequestOutput, list[TokenLogprob]]],
         top: int,
         tools: ToolRequest | None,
     ) -> dict[str, Any]:
-        reasoning, text, calls = split_output(self.s, rendered, tools, final.text)
-        done = await settle(self.s, rendered, params, final, reasoning, text, calls)
-        if isinstance(done, Failed):
-            raise done.error
+        choices, usage = [], None
+        for index, (final, logprobs) in enumerate(samples):
+            reasoning, text, calls = split_output(self.s, rendered, tools, final.text)
+            done = await settle(self.s, rendered, params, final, reasoning, text, calls)
+            if isinstance(done, Failed):
+                raise done.error
+            choices.append(
+                self._choice(index, rendered, done, logprobs if req.logprobs else None, top)
+            )
+            usage = self._usage(done) if usage is None else _add_usage(usage, self._usage(done))
+        completion = ChatCompletion(
+            id=request_id,
+            object="chat.completion",
+            created=int(time.time()),
+            model=req.model,
+            choices=choices,
+            usage=usage,
+        )
+        return wire(completion)
+
+    def _choice(
+        self,
+        index: int,
+        rendered: RenderedPrompt,
+        done: Finished,
+        logprobs: list[TokenLogprob] | None,
+        top: int,
+    ) -> Choice:
         message: dict[str, Any] = {"role": "assistant", "content": done.answer}
         if done.tool_calls:
             message["content"] = done.answer if done.answer.strip() else None
@@ -316,23 +335,14 @@ class ServingChat:
             ]
         if self.s.dialect is not None and (done.reasoning or rendered.in_reasoning):
             message["reasoning_content"] = done.reasoning
-        entries = self._logprobs(logprobs, top) if req.logprobs else None
-        choice = Choice(
-            index=0,
+        entries = self._logprobs(logprobs, top)
+        return Choice(
+            index=index,
             message=ChatCompletionMessage(**message),
             logprobs=None if entries is None else ChoiceLogprobs(content=entries),
             finish_reason=done.finish_reason,
             **_stop_reason(done),
         )
-        completion = ChatCompletion(
-            id=request_id,
-            object="chat.completion",
-            created=int(time.time()),
-            model=req.model,
-            choices=[choice],
-            usage=self._usage(done),
-        )
-        return wire(completion)
 
     async def _stream(
         self,

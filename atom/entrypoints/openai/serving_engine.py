@@ -15,7 +15,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -41,16 +42,12 @@ from atom.entrypoints.tool_parsers import get_parser
 from atom.entrypoints.tool_parsers.prompt import tools_into_messages
 from atom.model_engine.errors import ENGINE_DEAD
 from atom.model_engine.output import RequestOutput, TokenLogprob
+from atom.model_loader.generation_defaults import generation_defaults
 from atom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from atom.entrypoints.openai.protocol import (
-        AnthropicOutputFormat,
-        ChatResponseFormat,
-        ResponsesTextFormat,
-    )
     from atom.structured_output.schema_workers import SchemaWorkers
-    from atom.structured_output.spec import StructuredOutputSpec
+    from atom.structured_output.spec import OutputFormat, StructuredOutputSpec
 
 logger = logging.getLogger("atom.api")
 
@@ -73,6 +70,16 @@ class RenderedPrompt:
     thinking: ThinkingChoice
 
 
+class ConstraintFormat(Protocol):
+    """What the preflight takes: a Chat `response_format`, a Responses `text.format`, an
+    Anthropic `output_config.format` (protocol.py), or a vLLM constraint field
+    (vllm_fields.FieldConstraint). A "text" one constrains nothing."""
+
+    type: str
+
+    def output_format(self, param: str) -> OutputFormat: ...
+
+
 # ---------------------------------------------------------------------------------------------
 # STRUCTURED-OUTPUT HOOK: the one place where `atom.structured_output` preflight plugs in.
 # ---------------------------------------------------------------------------------------------
@@ -80,7 +87,7 @@ async def structured_output_preflight(
     serving: ServingContext,
     *,
     request: Any,
-    fmt: ChatResponseFormat | ResponsesTextFormat | AnthropicOutputFormat | None,
+    fmt: ConstraintFormat | None,
     param: str,
     rendered: RenderedPrompt,
     params: SamplingParams,
@@ -136,6 +143,7 @@ def check_constraint_features(
         stop=list(params.stop or []),
         stop_token_ids=list(params.stop_token_ids or []),
         ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
         multimodal_param=_multimodal_param(request, endpoint),
         tools=serving.filter_tools(tools, "tools"),
         param=param,
@@ -234,6 +242,28 @@ async def structured_output_final_check(
     return None if invalid is None else f"structured output: {invalid}"
 
 
+# Sampling settings that the verification of speculative drafts does not apply, with their
+# neutral values.
+_NOT_SPECULATIVE = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": None,
+    "min_p": 0.0,
+    "min_tokens": 0,
+}
+
+
+def _read_template(path: str | None) -> str | None:
+    """The `--chat-template` file's text (a ValueError naming the file when unreadable)."""
+    if path is None:
+        return None
+    try:
+        return Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read the chat template {path}: {e}") from None
+
+
 class ServingContext:
     """The served deployment and the engine it runs on."""
 
@@ -252,8 +282,11 @@ class ServingContext:
         self.dialect: ReasoningDialect | None = get_dialect(
             self.adapter.reasoning_dialect, self.tokenizer
         )
-        self.encoder = get_encoder(self.adapter.chat_encoder, self.tokenizer)
+        self.encoder = get_encoder(
+            self.adapter.chat_encoder, self.tokenizer, _read_template(server_config.chat_template)
+        )
         self.tool_parser: str = server_config.tool_call_parser or self.adapter.tool_parser
+        self.generation_defaults = generation_defaults(self.engine_config.model)
         self.metrics = ApiMetrics(engine.stats, engine.structured_output_stats)
         self.drain = Drain(engine.abort)
         self.prompt_bound = PromptBound(self.limits.context_window, max_token_bytes(self.tokenizer))
@@ -291,7 +324,7 @@ class ServingContext:
             raise model_not_found(str(model), self.served_names)
 
     def model_cards(self) -> list[dict[str, Any]]:
-        return [
+        cards = [
             describe_model(
                 self.adapter,
                 name,
@@ -301,6 +334,10 @@ class ServingContext:
             )
             for name in self.served_names
         ]
+        if self.generation_defaults:  # what an omitted field becomes (generation_config.json)
+            for card in cards:
+                card["generation_defaults"] = dict(self.generation_defaults)
+        return cards
 
     # ---- thinking -------------------------------------------------------------------------
     def resolve_thinking(
@@ -396,7 +433,8 @@ class ServingContext:
                 code="context_length_exceeded",
             )
         if requested is None:
-            return min(self.limits.max_output_tokens, remaining)
+            default = self.generation_defaults.get("max_tokens", self.limits.max_output_tokens)
+            return max(1, min(self.limits.max_output_tokens, remaining, int(default)))
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
             raise bad_request(f"{param} must be a positive integer, got {requested!r}", param=param)
         if requested > self.limits.max_output_tokens:
@@ -417,6 +455,14 @@ class ServingContext:
 
     # ---- generation -----------------------------------------------------------------------
     def make_params(self, **kwargs: Any) -> SamplingParams:
+        """SamplingParams of a request; a field given as None (omitted by the client) takes
+        the checkpoint's generation_config.json default, else SamplingParams' own."""
+        speculative = bool(self.engine_config.speculative_method)
+        for name, value in self.generation_defaults.items():
+            if name != "max_tokens" and kwargs.get(name) is None:
+                if not (speculative and name in _NOT_SPECULATIVE):
+                    kwargs[name] = value
+        kwargs = {k: v for k, v in kwargs.items() if v is not None or k in ("seed", "logprobs")}
         if kwargs.get("logprobs") is not None and self.engine_config.speculative_method:
             raise bad_request(
                 "logprobs are not available on this deployment: it decodes speculatively",
@@ -430,6 +476,13 @@ class ServingContext:
                     f"(0 to {vocab - 1})",
                     param=f"stop_token_ids[{i}]",
                 )
+        if self.engine_config.speculative_method:
+            for name, neutral in _NOT_SPECULATIVE.items():
+                if kwargs.get(name, neutral) not in (neutral, None, {}):
+                    raise bad_request(
+                        f"{name} is not available on this deployment: it decodes speculatively",
+                        param=name,
+                    )
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:

@@ -48,6 +48,7 @@ from atom.entrypoints.openai.protocol import (
     AnthropicToolResultBlock,
     AnthropicToolUseBlock,
 )
+from atom.entrypoints.openai.request_headers import request_id_of
 from atom.entrypoints.openai.serving_engine import (
     RenderedPrompt,
     ServingContext,
@@ -242,13 +243,13 @@ class ServingMessages:
             if not stop:
                 raise bad_request("stop sequences must be non-empty", param=f"stop_sequences[{i}]")
         params = s.make_params(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
             max_tokens=cap,
             stop=stops,
         )
-        message_id = random_id("msg_")
+        message_id = request_id_of(raw_request, "msg_")
         # An output format is refused in the preflight (Chat and Responses only); forced tool
         # calls are constrained.
         params.structured_output = await preflight(

@@ -56,6 +56,7 @@ from atom.entrypoints.openai.protocol import (
     ResponsesReasoningItem,
     ResponsesRequest,
 )
+from atom.entrypoints.openai.request_headers import request_id_of
 from atom.entrypoints.openai.serving_engine import (
     RenderedPrompt,
     ServingContext,
@@ -397,12 +398,12 @@ class ServingResponses:
             req.max_output_tokens, "max_output_tokens", len(rendered.token_ids), "input"
         )
         params = s.make_params(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
+            temperature=req.temperature,
+            top_p=req.top_p,
             seed=req.seed,
             max_tokens=cap,
         )
-        response_id = random_id("resp_")
+        response_id = request_id_of(raw_request, "resp_")
         # STRUCTURED-OUTPUT HOOK (text.format): see serving_engine.structured_output_preflight.
         params.structured_output = await preflight(
             s,

@@ -1,0 +1,192 @@
+"""POST /v1/completions: the legacy OpenAI endpoint vLLM users still call. One prompt (text or
+token ids) per request, no chat template; streaming, logprobs, usage, and the same output
+constraints as Chat (`response_format`-free: vLLM's `structured_outputs` / `guided_*` fields).
+The text returned is the whole generated text; a constrained answer is checked after any
+reasoning, as on Chat.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio.to_thread
+from fastapi import Request
+from openai.types import Completion, CompletionChoice, CompletionUsage
+from openai.types.completion_choice import Logprobs
+
+from atom.entrypoints.deployments import ThinkingChoice
+from atom.entrypoints.openai.errors import bad_request
+from atom.entrypoints.openai.pieces import (
+    AnswerDelta,
+    Failed,
+    Finished,
+    HeldLogprobs,
+    ReasoningDelta,
+    generate_pieces,
+    settle,
+)
+from atom.entrypoints.openai.protocol import CompletionRequest
+from atom.entrypoints.openai.request_headers import request_id_of
+from atom.entrypoints.openai.samples import check_n, collect_samples
+from atom.entrypoints.openai.serving_engine import (
+    RenderedPrompt,
+    ServingContext,
+    run_until_disconnect,
+)
+from atom.entrypoints.openai.sse import DONE, SSEResponse, data_event, wire
+from atom.entrypoints.openai.vllm_fields import (
+    constrain,
+    refuse_unsupported,
+    sampling_params,
+)
+from atom.model_engine.output import TokenLogprob
+
+
+def prompt_token_ids(serving: ServingContext, prompt: Any, param: str = "prompt") -> list[int]:
+    """The token ids of one prompt: a string (tokenized) or ids (checked against the
+    vocabulary); a list holding one of them is that prompt."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_request("send one prompt per request", param=param)
+        prompt = prompt[0]
+    if not prompt:
+        raise bad_request("the prompt is empty", param=param)
+    if isinstance(prompt, str):
+        return serving.tokenizer.encode(prompt)
+    vocab = len(serving.tokenizer)
+    for i, token in enumerate(prompt):
+        if not 0 <= token < vocab:
+            raise bad_request(f"token id {token} is not below {vocab}", param=f"{param}[{i}]")
+    return list(prompt)
+
+
+class ServingCompletions:
+    def __init__(self, serving: ServingContext):
+        self.s = serving
+
+    def _render(self, prompt: Any) -> RenderedPrompt:
+        """Tokenized (or decoded) in a worker thread: a long prompt stalls no other stream."""
+        ids = prompt_token_ids(self.s, prompt)
+        text = self.s.tokenizer.decode(ids)
+        dialect = self.s.dialect
+        in_reasoning = dialect.starts_in_reasoning(text) if dialect else False
+        return RenderedPrompt(text, ids, in_reasoning, ThinkingChoice())
+
+    async def create(self, req: CompletionRequest, raw_request: Request) -> Any:
+        s = self.s
+        s.check_model(req.model)
+        refuse_unsupported(req)
+        n = check_n(req.n, req.stream)
+        rendered = await anyio.to_thread.run_sync(self._render, req.prompt)
+        cap = s.resolve_cap(req.max_tokens, "max_tokens", len(rendered.token_ids), "prompt")
+        params = sampling_params(s, req, cap, req.logprobs)
+        request_id = request_id_of(raw_request, "cmpl-")
+        params.structured_output = await constrain(s, req, None, rendered, params, "completions")
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            tracker = s.metrics.tracker("completions")
+            pieces = generate_pieces(s, request_id, rendered, params, tracker)
+            return SSEResponse(self._stream(request_id, req, pieces, include_usage))
+        samples = await run_until_disconnect(
+            raw_request, collect_samples(s, request_id, rendered, params, "completions", n)
+        )
+        choices, usage = [], None
+        for index, (final, logprobs) in enumerate(samples):
+            reasoning, answer = s.split_reasoning(rendered, final.text)
+            done = await settle(s, rendered, params, final, reasoning, answer)
+            if isinstance(done, Failed):
+                raise done.error
+            lp = self._logprobs(logprobs, req.logprobs, 0)
+            choices.append(
+                CompletionChoice(
+                    finish_reason=done.finish_reason, index=index, text=final.text, logprobs=lp
+                )
+            )
+            usage = _usage(done, usage)
+        return wire(self._completion(request_id, req.model, choices, usage))
+
+    @staticmethod
+    def _completion(request_id: str, model: str, choices: list, usage: Any = None) -> Completion:
+        extra = {} if usage is None else {"usage": usage}
+        return Completion(
+            id=request_id,
+            object="text_completion",
+            created=int(time.time()),
+            model=model,
+            choices=choices,
+            **extra,
+        )
+
+    def _logprobs(
+        self, entries: list[TokenLogprob] | None, top: int | None, offset: int
+    ) -> Logprobs | None:
+        """OpenAI's legacy logprobs: token strings, their logprobs, the top candidates as a
+        {token: logprob} dict per position, and each token's character offset in the text."""
+        if top is None or entries is None:
+            return None
+        tokens = [self.s.token_bytes(e.token_id).decode("utf-8", "replace") for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        top_logprobs = [
+            {self.s.token_text(t): p for t, p in (e.top or [])[:top]} if top else {}
+            for e in entries
+        ]
+        return Logprobs(
+            tokens=tokens,
+            token_logprobs=[e.logprob for e in entries],
+            top_logprobs=top_logprobs,
+            text_offset=offsets,
+        )
+
+    async def _stream(
+        self, request_id: str, req: CompletionRequest, pieces: AsyncIterator, include_usage: bool
+    ) -> AsyncIterator[str]:
+        offset = 0
+        async for piece in pieces:
+            match piece:
+                case ReasoningDelta(text=text, logprobs=lps) | AnswerDelta(text=text, logprobs=lps):
+                    yield self._chunk(
+                        request_id, req, text, self._logprobs(lps, req.logprobs, offset)
+                    )
+                    offset += len(text)
+                case HeldLogprobs(logprobs=lps):
+                    yield self._chunk(
+                        request_id, req, "", self._logprobs(lps, req.logprobs, offset)
+                    )
+                case Finished():
+                    yield self._chunk(request_id, req, "", None, piece.finish_reason)
+                    if include_usage:
+                        usage = self._completion(request_id, req.model, [], _usage(piece))
+                        yield data_event(usage)
+                case Failed(error=error):
+                    yield data_event(error.openai_body())
+        yield DONE
+
+    def _chunk(
+        self,
+        request_id: str,
+        req: CompletionRequest,
+        text: str,
+        logprobs: Logprobs | None,
+        finish_reason: str | None = None,
+    ) -> str:
+        # Streamed choices say `"finish_reason": null` until the last one (as OpenAI and vLLM
+        # send them), which the SDK's CompletionChoice type does not allow: built unvalidated.
+        choice = CompletionChoice.model_construct(
+            finish_reason=finish_reason, index=0, text=text, logprobs=logprobs
+        )
+        return data_event(self._completion(request_id, req.model, [choice]))
+
+
+def _usage(done: Finished, before: CompletionUsage | None = None) -> CompletionUsage:
+    """The usage of `done`, added to that of the prompt's earlier samples (`before`)."""
+    completion = done.output_tokens + (before.completion_tokens if before else 0)
+    return CompletionUsage(
+        prompt_tokens=done.prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=done.prompt_tokens + completion,
+    )
