@@ -120,7 +120,8 @@ def corpus(model_id: str) -> list[tuple[str, str, bytes, dict]]:
         "response_format_string": _chat(model_id, response_format="json"),
         "response_format_no_schema": _chat(model_id, response_format={"type": "json_schema"}),
         "tools_string": _chat(model_id, tools="all"),
-        "n_2": _chat(model_id, n=2),
+        "n_0": _chat(model_id, n=0),
+        "n_bool": _chat(model_id, n=True),
     }.items():
         add(name, body)
     add("responses_input_number", {"model": model_id, "input": 5}, RESPONSES)
