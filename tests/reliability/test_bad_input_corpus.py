@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import threading
+import subprocess
+import sys
 import time
 
 import httpx
@@ -175,44 +176,70 @@ def _send(url: str, case: tuple[str, str, bytes, dict]) -> tuple[str, int | str,
     return name, status, time.monotonic() - started, text
 
 
-class HealthSampler(threading.Thread):
-    """GET /health every 20 ms on its own connection; latencies and failures."""
+_SAMPLER = """
+import json, sys, threading, time
+import httpx
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+latencies, failures = [], []
+with httpx.Client(base_url=sys.argv[1], timeout=10) as http:
+    while not done.is_set():
+        started = time.monotonic()
+        try:
+            r = http.get("/health")
+            if r.status_code != 200:
+                failures.append(f"{r.status_code} {r.text}")
+        except httpx.HTTPError as e:
+            failures.append(repr(e))
+        latencies.append(time.monotonic() - started)
+        time.sleep(0.02)
+print(json.dumps({"latencies": latencies, "failures": failures}))
+"""
+
+
+class HealthSampler:
+    """GET /health every 20 ms on its own connection, from a process of its own (so that the
+    clients' threads in this one do not delay its measurements); latencies and failures."""
 
     def __init__(self, url: str):
-        super().__init__(daemon=True)
-        self.url = url
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SAMPLER, url],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.latencies: list[float] = []
         self.failures: list[str] = []
-        self.stop = threading.Event()
 
-    def run(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=10) as http:
-            while not self.stop.is_set():
-                started = time.monotonic()
-                try:
-                    r = http.get("/health")
-                    if r.status_code != 200:
-                        self.failures.append(f"{r.status_code} {r.text}")
-                except httpx.HTTPError as e:
-                    self.failures.append(repr(e))
-                self.latencies.append(time.monotonic() - started)
-                time.sleep(0.02)
+    def finish(self) -> None:
+        out, _ = self.proc.communicate("", timeout=60)
+        result = json.loads(out.strip().splitlines()[-1])
+        self.latencies, self.failures = result["latencies"], result["failures"]
 
     def p99(self) -> float:
         ordered = sorted(self.latencies)
         return ordered[int(0.99 * (len(ordered) - 1))]
 
 
+def warm_up(srv, model_id: str) -> None:
+    """One constrained request first: the first one of a server's life builds the structured
+    output state (the grammar tokenizer: a few hundred ms of Python, once); the latency
+    sampled is that of a warm server."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = _chat(model_id, response_format=_schema_format(schema))
+    assert httpx.post(f"{srv.url}{CHAT}", json=body, timeout=120).status_code == 200
+
+
 def run_corpus(srv, model_id: str, repeats: int, concurrency: int):
+    warm_up(srv, model_id)
     cases = corpus(model_id) * repeats
     sampler = HealthSampler(srv.url)
-    sampler.start()
+    time.sleep(0.5)  # the sampler is up
     try:
         with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
             results = list(pool.map(lambda c: _send(srv.url, c), cases))
     finally:
-        sampler.stop.set()
-        sampler.join()
+        sampler.finish()
     return results, sampler
 
 

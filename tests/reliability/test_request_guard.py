@@ -117,3 +117,46 @@ def test_prompt_bound():
     with pytest.raises(APIError) as info:
         bound.check(512 * 81 + 1, "messages")
     assert info.value.code == "context_length_exceeded" and info.value.param == "messages"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"a": "\\ud800"}',
+        b'{"a": "\\uDC00"}',
+        b'{"a": "\\ud83d x"}',  # half of a pair
+        b'{"a": "x \\ude00"}',
+        b'{"a": "\\\\ud83d\\ude00"}',  # an escaped backslash, "ud83d", then a lone low one
+        b'{"a": "\xed\xa0\x80"}',  # a raw surrogate: Python's decoder takes it
+        b'{"a": NaN}',
+        b'{"a": -Infinity}',
+        b'{"a": 1e400}',
+        b'{"a": 1E+0309}',
+        b'{"a": ' + b"9" * 310 + b".5}",
+    ],
+)
+def test_raw_bodies_that_hold_invalid_values_are_walked(raw):
+    import json
+
+    from atom.entrypoints.openai.protocol import body_may_hold_invalid, find_invalid_value
+
+    assert body_may_hold_invalid(raw)
+    assert find_invalid_value(json.loads(raw)) is not None
+
+
+def test_bodies_in_other_encodings_are_walked():
+    from atom.entrypoints.openai.protocol import body_may_hold_invalid
+
+    assert body_may_hold_invalid(b'\xef\xbb\xbf{"a": 1}')
+    assert body_may_hold_invalid('{"a": 1}'.encode("utf-16"))
+
+
+def test_plain_bodies_skip_the_walk():
+    import json
+
+    from atom.entrypoints.openai.protocol import body_may_hold_invalid
+
+    body = {"messages": [{"role": "user", "content": "caf\u00e9 \U0001f600 \\u00e9 1e99"}] * 50}
+    body |= {"temperature": 0.5, "n": 10**30, "x": 1e-400, "s": "\\ud7ff"}
+    assert not body_may_hold_invalid(json.dumps(body, ensure_ascii=False).encode())
+    assert not body_may_hold_invalid(json.dumps(body).encode())  # \ud83d\ude00: a valid pair

@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from atom.entrypoints.openai.errors import APIError, bad_request, error_body
+from atom.entrypoints.openai.protocol import BODY_MAY_HOLD_INVALID, body_may_hold_invalid
 
 if TYPE_CHECKING:
     from atom.entrypoints.openai.drain import Drain
@@ -172,6 +173,9 @@ class RequestGuard:
             if int(length) > self.max_request_bytes:
                 raise self._too_large(int(length))
         body = await self._read_body(receive)
+        # Most bodies cannot hold what the request models refuse anywhere in a body: their
+        # validation then skips the walk of every value (on the event loop).
+        BODY_MAY_HOLD_INVALID.set(body_may_hold_invalid(body))
         return scope, _replay(body, receive)
 
     def _origin_allowed(self, origin: str, host: str | None) -> bool:

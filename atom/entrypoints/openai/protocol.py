@@ -8,6 +8,7 @@ serving modules (the SDKs define their shapes), with the request models here doc
 
 from __future__ import annotations
 
+import contextvars
 import math
 import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -39,6 +40,31 @@ class _Strict(BaseModel):
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+# Whether the body being validated may hold a lone surrogate or a non-finite number: the request
+# guard clears it for a body whose raw bytes cannot (`body_may_hold_invalid`), sparing the walk
+# of every value; True elsewhere (offline use validates as before).
+BODY_MAY_HOLD_INVALID: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "body_may_hold_invalid", default=True
+)
+# A JSON text without these holds no lone surrogate and no NaN or infinite number: `\uD800`-
+# `\uDFFF` escapes, raw surrogates (Python's decoder takes them), the literals, an exponent of
+# 100 or more, a run of 300 digits (a float that overflows); not UTF-8 text starting with `{`
+# (another encoding, which the decoder also takes) is looked at too.
+_MAY_HOLD_INVALID = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"  # a high surrogate escape, unpaired
+    rb"|(?<![^\\]\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F]"  # a low one, unpaired
+    rb"|\xed[\xa0-\xbf]|NaN|Infinity|[eE]\+?0*[1-9][0-9]{2}|[0-9]{300}"
+)
+
+
+def body_may_hold_invalid(body: bytes) -> bool:
+    """False when the raw JSON ``body`` certainly decodes to no lone surrogate and no NaN or
+    infinite number (a C-speed scan of the bytes instead of a walk of the decoded values)."""
+    if not body.lstrip(b" \t\r\n").startswith(b"{") or b"\x00" in body:
+        return True
+    return _MAY_HOLD_INVALID.search(body) is not None
+
+
 LONE_SURROGATE_ERROR = "lone_surrogate"
 NON_FINITE_ERROR = "non_finite_number"
 
@@ -86,6 +112,8 @@ class _RequestBody(_Lenient):
     @model_validator(mode="before")
     @classmethod
     def _no_invalid_values(cls, data: Any) -> Any:
+        if not BODY_MAY_HOLD_INVALID.get():
+            return data  # the raw body holds none (limits.RequestGuard looked)
         found = find_invalid_value(data) if isinstance(data, dict) else None
         if found is not None:
             param, kind = found
