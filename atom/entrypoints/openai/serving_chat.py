@@ -59,10 +59,10 @@ from atom.entrypoints.openai.serving_engine import (
     run_until_disconnect,
 )
 from atom.entrypoints.openai.sse import DONE, SSEResponse, data_event, wire
-from atom.entrypoints.openai.tool_calls import ToolRequest, preflight, read_tools
+from atom.entrypoints.openai.tool_calls import ToolRequest, read_tools
 from atom.entrypoints.openai.vllm_fields import (
+    constrain,
     refuse_unsupported,
-    request_constraint,
     sampling_params,
 )
 from atom.entrypoints.tool_parsers import ToolCall
@@ -254,16 +254,8 @@ class ServingChat:
         params = sampling_params(s, req, cap, top if req.logprobs else None)
         request_id = request_id_of(raw_request, "chatcmpl-")
         # STRUCTURED-OUTPUT HOOK (response_format): see serving_engine.structured_output_preflight.
-        fmt, param = request_constraint(req, req.response_format)
-        params.structured_output = await preflight(
-            s,
-            tools,
-            request=req,
-            fmt=fmt,
-            param=param,
-            rendered=rendered,
-            params=params,
-            endpoint="chat",
+        params.structured_output = await constrain(
+            s, req, req.response_format, rendered, params, "chat", tools
         )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

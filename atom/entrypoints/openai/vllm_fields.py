@@ -95,14 +95,17 @@ async def constrain(
     rendered: RenderedPrompt,
     params: SamplingParams,
     endpoint: str,
+    tools: Any = None,
 ) -> Any:
     """The structured-output spec of a Chat or Completions request (None: unconstrained),
-    through the one preflight every constrained request takes."""
-    from atom.entrypoints.openai.serving_engine import structured_output_preflight
+    through the one preflight every constrained request takes (a tool turn's with ``tools``,
+    a ``tool_calls.ToolRequest``)."""
+    from atom.entrypoints.openai.tool_calls import preflight
 
     fmt, param = request_constraint(req, response_format)
-    return await structured_output_preflight(
+    return await preflight(
         serving,
+        tools,
         request=req,
         fmt=fmt,
         param=param,
