@@ -79,6 +79,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "newline plus indentation, any run (default: %(default)s)",
     )
     g.add_argument(
+        "--structured-output-grammar-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep each rank's grammar states in a process of their own (default: on CUDA)",
+    )
+    g.add_argument(
         "--speculative-method",
         choices=get_args(SpeculativeMethod),
         default=None,
@@ -139,6 +145,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         structured_output_whitespace=args.structured_output_whitespace,
+        structured_output_grammar_process=args.structured_output_grammar_process,
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_model=args.speculative_model,

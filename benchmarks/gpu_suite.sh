@@ -5,6 +5,8 @@
 # Two parts, one device call each (a call runs at most 10 minutes; every step has a limit):
 #   bash benchmarks/gpu_suite.sh bench    (benchmarks, about 8 minutes)
 #   bash benchmarks/gpu_suite.sh check    (GPU tests and compute-sanitizer, about 6 minutes)
+#   bash benchmarks/gpu_suite.sh grammar  (grammar process on/off profile, structured overhead,
+#                                          GPU tests; about 9 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -39,5 +41,15 @@ check() {
     step racecheck 100 compute-sanitizer --tool racecheck --print-limit 20 \
         python3 benchmarks/sanitize_engine.py
 }
-"${1:?bench or check}"
+grammar() {
+    for mode in on off; do
+        step profile_$mode 110 python3 benchmarks/profile_step.py --random-llama-1b --device cuda \
+            --batch-sizes 1 16 64 256 --schemas mostly-forbidden --steps 16 --profile-steps 3 \
+            --grammar-process $mode --tag grammar_process_$mode --out $out
+    done
+    step structured 170 python3 benchmarks/bench_structured_serving.py --random-llama-1b \
+        --device cuda --out $out
+    step pytest_gpu 150 python3 -m pytest -q -m gpu tests
+}
+"${1:?bench, check or grammar}"
 tail -n 200 $out/summary.log

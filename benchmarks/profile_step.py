@@ -73,14 +73,19 @@ def instrument(engine: Any, segments: Segments) -> None:
         (runner, "sampler", "sample_launch"),
         (DeferredOutput, "host_token_ids", "token_wait"),
     ]
-    if runner.structured_output.manager is not None:  # structured output was used
-        worker = runner.structured_output
+    worker = runner.structured_output
+    if worker.manager is not None or worker.process is not None:  # structured output was used
         wraps += [
             (worker, "start_step", "grammar_start"),  # engine thread
             (worker, "finish_step", "grammar_wait_apply"),  # engine thread
+        ]
+    if worker.manager is not None:
+        wraps += [
             (worker.manager, "fill_masks", "fill"),  # grammar thread
             (worker.manager, "commit_many", "commit_many"),  # grammar thread
         ]
+    if worker.process is not None:  # commit and fill run in the grammar process
+        wraps.append((worker.process, "call", "grammar_process_call"))  # grammar thread
     for owner, name, label in wraps:
         segments.wrap(owner, name, label)
 
@@ -179,6 +184,8 @@ def make_engine(args: argparse.Namespace) -> Any:
     overrides = {}
     if args.grammar_threads is not None:
         overrides["structured_output_threads"] = args.grammar_threads
+    if args.grammar_process is not None:
+        overrides["structured_output_grammar_process"] = args.grammar_process == "on"
     return bss.make_engine(args, **overrides)
 
 
@@ -206,6 +213,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--grammar-threads", type=int, default=None, help="llguidance executor")
+    ap.add_argument(
+        "--grammar-process", choices=["on", "off"], default=None, help="default: on CUDA only"
+    )
     ap.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--tag", default="", help="suffix of the output file")
     ap.add_argument("--trace", action="store_true", help="write gzipped Chrome traces")

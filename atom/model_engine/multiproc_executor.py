@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from multiprocessing.util import Finalize
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,7 @@ class MultiprocExecutor(Executor):
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.ranks: list[_Rank] = []
+        self._finalizer = Finalize(self, _stop_ranks, (self.ranks,), exitpriority=10)
         for rank in range(config.tensor_parallel_size):
             rank_config = dataclasses.replace(config, **(rank_overrides or {}).get(rank, {}))
             conn, child = ctx.Pipe()
@@ -75,7 +77,10 @@ class MultiprocExecutor(Executor):
                 target=run_rank,
                 args=(rank_config, model_path, hf_config, rank, init_method, child, stats_child),
                 name=f"atom-rank-{rank}",
-                daemon=True,
+                # Not daemons: a rank starts its grammar process (structured_output/
+                # grammar_process.py) and daemons may not have children. A rank ends when its
+                # pipe closes: at shutdown, or at exit through the finalizer below.
+                daemon=False,
             )
             process.start()
             child.close()
@@ -186,10 +191,18 @@ class MultiprocExecutor(Executor):
                     except OSError:
                         pass
             self._dead = self._dead or "engine is shut down"
-        for r in self.ranks:
+        self._finalizer()
+
+
+def _stop_ranks(ranks: list[_Rank]) -> None:
+    """Wait a moment for each rank to exit (told to, or its pipe closing), kill it otherwise,
+    and close its pipes. Runs once: at shutdown, or at exit before multiprocessing joins the
+    ranks (which would wait forever on a rank still reading an open pipe)."""
+    for r in ranks:
+        r.conn.close()
+        r.stats_conn.close()
+    for r in ranks:
+        r.process.join(SHUTDOWN_WAIT_S)
+        if r.process.is_alive():
+            r.process.kill()
             r.process.join(SHUTDOWN_WAIT_S)
-            if r.process.is_alive():
-                r.process.kill()
-                r.process.join(SHUTDOWN_WAIT_S)
-            r.conn.close()
-            r.stats_conn.close()

@@ -13,12 +13,9 @@ On CPU the same API works on plain tensors and masks with the reference implemen
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["MaskBuffers", "TokenSnapshot", "num_mask_words"]
 
@@ -36,7 +33,11 @@ class MaskBuffers:
     GPU tensor read back with ``tolist()``.
     """
 
-    def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, vocab_size: int, device: torch.device | str = "cpu", host: torch.Tensor | None = None
+    ) -> None:
+        """``host``: fixed host rows filled elsewhere (a grammar process maps them too; on CUDA
+        already page-locked) instead of rows allocated here and grown on demand."""
         self.vocab_size = vocab_size
         self.num_words = num_mask_words(vocab_size)
         self.device = torch.device(device)
@@ -49,6 +50,11 @@ class MaskBuffers:
         self._dev_rows_idx: torch.Tensor | None = None
         self._copy_done: Any = None  # torch.cuda.Event: the last H2D copy finished reading host
         self._kernel_done: Any = None  # torch.cuda.Event: the last kernel finished reading device
+        self._fixed = host is not None
+        if host is not None:
+            if host.dtype is not torch.int32 or host.dim() != 2 or host.shape[1] != self.num_words:
+                raise ValueError(f"host rows must be int32 [rows, {self.num_words}]")
+            self._allocate(host.shape[0], host)
 
     @property
     def capacity(self) -> int:
@@ -61,8 +67,7 @@ class MaskBuffers:
 
     def host_rows(self, n: int) -> torch.Tensor:
         """Host rows ``[n, words]`` that are safe to overwrite now (waits for an unfinished copy)."""
-        if self._copy_done is not None:
-            self._copy_done.synchronize()
+        self.wait_host_free()
         if n > self._capacity:
             self._grow(n)
         assert self._host is not None
@@ -71,13 +76,25 @@ class MaskBuffers:
             self._view, self._view_rows = self._host[:n], n
         return self._view
 
+    def wait_host_free(self) -> None:
+        """Return once the host rows may be overwritten (the last H2D copy has read them)."""
+        if self._copy_done is not None:
+            self._copy_done.synchronize()
+
     def _grow(self, n: int) -> None:
         """Reallocate with headroom; the old device buffer is dropped only after its last kernel."""
+        if self._fixed:
+            raise IndexError(f"{n} mask rows exceed the {self._capacity} fixed host rows")
         capacity = max(n, 2 * self._capacity, 8)
         if self._kernel_done is not None:
             self._kernel_done.synchronize()
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int, host: torch.Tensor | None = None) -> None:
         pin = self.on_cuda
-        self._host = torch.empty((capacity, self.num_words), dtype=torch.int32, pin_memory=pin)
+        if host is None:
+            host = torch.empty((capacity, self.num_words), dtype=torch.int32, pin_memory=pin)
+        self._host = host
         self._view = None
         self._host_rows_idx = torch.empty(capacity, dtype=torch.int32, pin_memory=pin)
         if self.on_cuda:

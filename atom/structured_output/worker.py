@@ -16,6 +16,9 @@ request's life on a rank:
   the previous step's output; then, on the engine thread (``finish_step``), apply the rows with
   the Triton kernel on GPU or the reference on CPU.
 - ``release`` on any terminal path, idempotently.
+
+On a GPU the states live in a grammar process of the rank's own (``grammar_process``): the same
+steps run there, on their own interpreter, and write the rows into memory both processes map.
 """
 
 from __future__ import annotations
@@ -35,13 +38,13 @@ from atom import envs
 from atom.config import EngineConfig
 from atom.model_engine.tokenizer import eos_token_ids, load_tokenizer
 from atom.model_ops.embed_head import ParallelLMHead
+from atom.structured_output.grammar_process import GrammarProcess
 from atom.structured_output.manager import AdmissionResult, StructuredOutputManager
-from atom.structured_output.utils import MaskBuffers
+from atom.structured_output.utils import MaskBuffers, num_mask_words
 
 if TYPE_CHECKING:
     from atom.model_engine.scheduler import GrammarUpdate
     from atom.model_engine.sequence import Sequence
-    from atom.structured_output.manager import GrammarState
 
 __all__ = ["StructuredOutputWorker"]
 
@@ -69,6 +72,44 @@ class GrammarRows:
     errors: dict[int, str]
 
 
+# One constrained sampling row group of a step: (sequence id, request id, its drafts, its first
+# logits row); the request's rows are that one and one per draft after it.
+RowJob = tuple[int, str, list[int], int]
+
+
+def fill_rows(
+    manager: StructuredOutputManager | None,
+    host_rows: Callable[[int], torch.Tensor],
+    jobs: list[RowJob],
+) -> GrammarRows:
+    """The mask rows of ``jobs`` filled into ``host_rows(n)``, and the errors of the requests
+    that have no state (or a failed one) here, or failed while their rows were filled. Runs where
+    the states live: the rank's process, or its grammar process (``grammar_process``)."""
+    errors: dict[int, str] = {}
+    live: list[tuple[str, list[int]]] = []
+    live_ids: list[tuple[int, str]] = []
+    logits_rows: list[int] = []
+    for seq_id, request_id, drafts, first in jobs:
+        state = manager.state(request_id) if manager is not None else None
+        if state is None:
+            errors[seq_id] = "structured output: this request has no grammar state on this rank"
+        elif state.error is not None:
+            errors[seq_id] = state.error
+        else:
+            live.append((request_id, drafts))
+            live_ids.append((seq_id, request_id))
+            logits_rows += range(first, first + 1 + len(drafts))
+    if not live:
+        return GrammarRows(0, [], errors)
+    assert manager is not None
+    manager.fill_masks(host_rows(len(logits_rows)), live)
+    for seq_id, request_id in live_ids:
+        error = manager.error(request_id)  # a matcher failure while masking: stop mask, error
+        if error is not None:
+            errors[seq_id] = error
+    return GrammarRows(len(logits_rows), logits_rows, errors)
+
+
 class StructuredOutputWorker:
     """Owns a rank's grammar manager (built lazily), its mask buffers and its RPC answers."""
 
@@ -87,7 +128,10 @@ class StructuredOutputWorker:
         self.model = model
         self.device = device
         self.rank = rank
-        self.manager: StructuredOutputManager | None = None  # set by the initialization thread
+        # Set by the initialization thread: the grammar states, in this process or in a
+        # process of their own (``grammar_process``).
+        self.manager: StructuredOutputManager | None = None
+        self.process: GrammarProcess | None = None
         self._init_thread: threading.Thread | None = None
         self._init_error: str | None = None
         self._mask_buffers: MaskBuffers | None = None  # allocated by the first mask
@@ -108,10 +152,13 @@ class StructuredOutputWorker:
         refusal = self._refusal()
         if refusal is not None:
             return self._answer("error", refusal)
-        if self.manager is None:
+        if not self._initialized:
             self._start_init()
             return self._answer("pending")
-        result = self.manager.admit(spec, api_fingerprint, vocab_size, wait_s)
+        if self.process is not None:
+            result = self.process.call("admit", spec, api_fingerprint, vocab_size, wait_s)
+        else:
+            result = self.manager.admit(spec, api_fingerprint, vocab_size, wait_s)
         return self._answer(result.status, result.message)
 
     def prepare(self, items: list[tuple[str, Any]]) -> dict[str, AdmissionResult]:
@@ -122,32 +169,43 @@ class StructuredOutputWorker:
         "error" when it cannot compile here. Polled by the engine core; never waits.
         """
         refusal = self._refusal()
-        if refusal is None and self.manager is None:
+        if refusal is None and not self._initialized:
             self._start_init()  # a request that skipped admission (direct engine use)
             return {rid: AdmissionResult("pending") for rid, _ in items}
         if refusal is not None:
             return {rid: AdmissionResult("error", refusal) for rid, _ in items}
+        if self.process is not None:
+            return self.process.call("prepare", items)
         with self._lock:
             return {rid: self.manager.prepare(rid, spec) for rid, spec in items}
 
     def release(self, request_ids: list[str]) -> None:
         """Drop these requests' grammar state; idempotent (every terminal path may call it)."""
-        if self.manager is not None:
+        if self.process is not None and self.process.dead_reason is None:
+            self.process.call("release", request_ids)
+        elif self.manager is not None:
             with self._lock:
                 for rid in request_ids:
                     self.manager.release(rid)
 
     def stats(self) -> dict[str, int]:
-        mgr = self.manager
-        return {
-            "live_grammar_states": 0 if mgr is None else mgr.num_live_states,
-            "cached_grammars": 0 if mgr is None else mgr.num_cached_grammars,
-        }
+        live, cached = 0, 0
+        if self.process is not None and self.process.dead_reason is None:
+            live, cached = self.process.call("counts")
+        elif self.manager is not None:
+            live, cached = self.manager.num_live_states, self.manager.num_cached_grammars
+        return {"live_grammar_states": live, "cached_grammars": cached}
 
     def shutdown(self) -> None:
         self._step_thread.shutdown(wait=True)
         if self.manager is not None:
             self.manager.shutdown()
+        if self.process is not None:
+            self.process.shutdown()
+
+    @property
+    def _initialized(self) -> bool:
+        return self.manager is not None or self.process is not None
 
     # ---- per step: commit and fill on the grammar thread, apply on the caller's ------------------
 
@@ -199,49 +257,39 @@ class StructuredOutputWorker:
         vocab_size: int,
         drafts: list[list[int]],
     ) -> GrammarRows:
+        """Commit the acknowledged tokens (a rejected one marks only its request; one without a
+        state on this rank is failed by ``fill_rows``), then fill the step's rows."""
+        jobs = self._jobs(seqs, drafts)
+        commits = [(u.request_id, u.new_token_ids) for u in updates()]
+        if self._mask_buffers is None:
+            self._mask_buffers = self._new_mask_buffers(vocab_size)
+        if self.process is not None:
+            self._mask_buffers.wait_host_free()  # the child writes into the rows the copy reads
+            return self.process.call("step", commits, jobs)
         with self._lock:
-            self._commit(updates())
-            return self._fill(seqs, vocab_size, drafts)
+            if self.manager is not None and commits:
+                self.manager.commit_many(commits)
+            return fill_rows(self.manager, self._mask_buffers.host_rows, jobs)
 
-    def _commit(self, updates: list[GrammarUpdate]) -> None:
-        """Advance each request's grammar by its acknowledged tokens. A rejected token marks only
-        that request; one without a state on this rank is failed by `_fill`."""
-        if self.manager is not None and updates:
-            self.manager.commit_many((u.request_id, u.new_token_ids) for u in updates)
+    def _new_mask_buffers(self, vocab_size: int) -> MaskBuffers:
+        """In-process rows grow on demand; a grammar process's are mapped once, for the most
+        rows a step can have."""
+        if self.process is None:
+            return MaskBuffers(vocab_size, self.device)
+        most = self.config.max_num_seqs * (1 + self.config.num_speculative_tokens)
+        rows = self.process.map_rows(most, num_mask_words(vocab_size), self.device)
+        return MaskBuffers(vocab_size, self.device, host=rows)
 
-    def _fill(self, seqs: list[Sequence], vocab_size: int, drafts: list[list[int]]) -> GrammarRows:
-        """The host mask rows of the constrained requests among ``seqs`` (one per logits row:
-        ``1 + len(drafts[i])`` for sequence i), and their errors."""
-        mgr = self.manager
-        errors: dict[int, str] = {}
-        live: list[tuple[str, list[int]]] = []
-        live_seqs: list[tuple[Sequence, GrammarState]] = []
-        logits_rows: list[int] = []
+    def _jobs(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[RowJob]:
+        """The constrained requests among ``seqs`` (in logits row order; sequence i has
+        ``1 + len(drafts[i])`` rows), as ``fill_rows`` takes them."""
+        jobs: list[RowJob] = []
         row = 0  # the logits row of sequence i's first row
         for seq, seq_drafts in zip(seqs, drafts, strict=True):
-            first, row = row, row + 1 + len(seq_drafts)
-            if seq.params.structured_output is None:
-                continue
-            state = mgr.state(seq.request_id) if mgr is not None else None
-            if state is None:
-                errors[seq.seq_id] = (
-                    "structured output: this request has no grammar state on this rank"
-                )
-            elif state.error is not None:
-                errors[seq.seq_id] = state.error
-            else:
-                live.append((seq.request_id, seq_drafts))
-                live_seqs.append((seq, state))
-                logits_rows += range(first, row)
-        if not live:
-            return GrammarRows(0, [], errors)
-        if self._mask_buffers is None:
-            self._mask_buffers = MaskBuffers(vocab_size, self.device)
-        mgr.fill_masks(self._mask_buffers.host_rows(len(logits_rows)), live)
-        for seq, state in live_seqs:
-            if state.error is not None:  # a matcher failure while masking: stop mask, then error
-                errors[seq.seq_id] = state.error
-        return GrammarRows(len(logits_rows), logits_rows, errors)
+            if seq.params.structured_output is not None:
+                jobs.append((seq.seq_id, seq.request_id, seq_drafts, row))
+            row += 1 + len(seq_drafts)
+        return jobs
 
     # ---- initialization ------------------------------------------------------------------------
 
@@ -251,6 +299,8 @@ class StructuredOutputWorker:
             return "structured output is disabled with relaxed MTP"
         if not isinstance(getattr(self.model, "lm_head", None), ParallelLMHead):
             return "the target LM head is not a ParallelLMHead"
+        if self.process is not None and self.process.dead_reason is not None:
+            return self.process.dead_reason
         return self._init_error
 
     def _start_init(self) -> None:
@@ -261,18 +311,24 @@ class StructuredOutputWorker:
             self._init_thread.start()
 
     def _initialize(self) -> None:
-        """Background: this rank's tokenizer and grammar tokenizer, then the manager."""
+        """Background: this rank's tokenizer and grammar tokenizer, then the manager, here or
+        in a grammar process (``EngineConfig.grammar_process_enabled``)."""
         try:
-            tokenizer = load_tokenizer(self.config.tokenizer or self.model_path)
+            tokenizer_path = self.config.tokenizer or self.model_path
+            tokenizer = load_tokenizer(tokenizer_path)
             head = self.model.lm_head.org_vocab_size
-            self.manager = StructuredOutputManager(
-                tokenizer,
-                vocab_size=head,
-                lm_head_size=head,
-                stop_token_ids=eos_token_ids(self.hf_config, tokenizer),
-                threads=self.config.structured_output_threads,
-                whitespace=self.config.structured_output_whitespace,
-            )
+            options = {
+                "vocab_size": head,
+                "lm_head_size": head,
+                "stop_token_ids": eos_token_ids(self.hf_config, tokenizer),
+                "threads": self.config.structured_output_threads,
+                "whitespace": self.config.structured_output_whitespace,
+            }
+            if self.config.grammar_process_enabled(self.device):
+                timeout_s = self.config.worker_timeout_s
+                self.process = GrammarProcess(tokenizer_path, options, timeout_s)
+            else:
+                self.manager = StructuredOutputManager(tokenizer, **options)
         except Exception as e:  # noqa: BLE001 - every later admission reports it
             logger.exception("structured output initialization failed")
             self._init_error = f"structured output initialization failed: {e}"

@@ -37,7 +37,16 @@ KW = {
 @pytest.fixture(scope="module")
 def engines(tiny_llama_dir):
     one = LLMEngine(EngineConfig(model=str(tiny_llama_dir), **KW))
-    two = LLMEngine(EngineConfig(model=str(tiny_llama_dir), tensor_parallel_size=2, **KW))
+    # The ranks keep their grammar states in grammar processes (the default on CUDA; a rank
+    # process is a daemon, which may not start one as a daemon itself).
+    two = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            tensor_parallel_size=2,
+            structured_output_grammar_process=True,
+            **KW,
+        )
+    )
     yield one, two
     two.shutdown()
     one.shutdown()

@@ -1,0 +1,129 @@
+"""Grammar states in a process of their own (``grammar_process``), on CPU: the same answers as
+in the rank's process, nothing left behind, and a grammar process that dies fails only the
+constrained requests (later ones get a clear refusal), never the engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from atom.config import EngineConfig
+from atom.model_engine.llm_engine import LLMEngine
+from atom.sampling_params import SamplingParams
+
+pytest.importorskip("llguidance")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def _spec():
+    from atom.entrypoints.openai.protocol import parse_chat_response_format
+    from atom.structured_output.spec import StructuredOutputSpec
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    return StructuredOutputSpec.of(parse_chat_response_format(fmt), None)
+
+
+def _engine(model_dir, grammar_process: bool) -> LLMEngine:
+    config = EngineConfig(
+        model=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        max_model_len=512,
+        structured_output_grammar_process=grammar_process,
+    )
+    return LLMEngine(config)
+
+
+def _prompt(engine: LLMEngine, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    return list(
+        engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+
+
+def _run(engine: LLMEngine, requests: dict, on_step=None) -> dict:
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        if on_step is not None:
+            on_step(engine)
+    return final
+
+
+def _requests(engine: LLMEngine) -> dict:
+    constrained = SamplingParams(temperature=0.0, max_tokens=40, structured_output=_spec())
+    return {
+        "json": (_prompt(engine, "Give a person as JSON."), constrained),
+        "json-2": (_prompt(engine, "Describe a friend as JSON."), constrained),
+        "plain": (_prompt(engine, "Say hi."), SamplingParams(temperature=0.0, max_tokens=20)),
+    }
+
+
+def _worker(engine: LLMEngine):
+    return engine.executor.workers[0].structured_output
+
+
+def test_same_answers_as_in_process(smollm2_dir):
+    results = {}
+    for grammar_process in (False, True):
+        engine = _engine(smollm2_dir, grammar_process)
+        try:
+            final = _run(engine, _requests(engine))
+            worker = _worker(engine)
+            assert (worker.process is not None) == grammar_process
+            assert (worker.manager is None) == grammar_process
+            assert engine.structured_output_stats()["live_grammar_states"] == 0
+            results[grammar_process] = {
+                rid: (o.output_token_ids, o.text, o.finish_reason, o.error)
+                for rid, o in final.items()
+            }
+        finally:
+            engine.shutdown()
+    assert results[True] == results[False]
+    for rid in ("json", "json-2"):
+        assert results[True][rid][3] is None
+        assert set(json.loads(results[True][rid][1])) == {"name", "age"}
+
+
+def test_a_dead_grammar_process_fails_only_constrained_requests(smollm2_dir):
+    engine = _engine(smollm2_dir, True)
+    try:
+        requests = _requests(engine)
+        killed = []
+
+        def kill_once(engine: LLMEngine) -> None:
+            worker = _worker(engine)
+            running = engine.cores[0].scheduler.requests.get("json")
+            if killed or worker.process is None or running is None:
+                return
+            if running.num_output_tokens >= 3:
+                os.kill(worker.process.pid, signal.SIGKILL)
+                killed.append(time.monotonic())
+
+        final = _run(engine, requests, kill_once)
+        assert killed
+        for rid in ("json", "json-2"):
+            assert final[rid].finish_reason == "error"
+            assert "grammar process" in final[rid].error
+        assert final["plain"].finish_reason == "length" and final["plain"].error is None
+        later = _run(engine, {"late": requests["json"]})["late"]
+        assert later.finish_reason == "error" and "grammar process" in later.error
+        assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+    finally:
+        engine.shutdown()
