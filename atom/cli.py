@@ -80,9 +80,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--structured-output-grammar-process",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="keep each rank's grammar states in a process of their own (default: on CUDA)",
+        action="store_true",
+        help="keep each rank's grammar states in a process of their own (see README)",
     )
     g.add_argument(
         "--speculative-method",

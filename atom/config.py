@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, get_args
-
-if TYPE_CHECKING:
-    import torch
+from typing import Literal, get_args
 
 # JSON whitespace allowed in constrained answers (the grammar enforces it; clients cannot change
 # it): compact = none, space = at most one space, indent = at most one space or one newline plus
@@ -68,9 +65,10 @@ class EngineConfig:
     structured_output_threads: int = field(default_factory=default_grammar_threads)
     # Keep each rank's grammar states in a process of their own, whose per-row Python then runs
     # beside the engine thread's instead of contending for its GIL
-    # (structured_output/grammar_process.py); None: on CUDA only, where the forward runs
-    # asynchronously and the host work between forwards bounds the step.
-    structured_output_grammar_process: bool | None = None
+    # (structured_output/grammar_process.py). Off by default: on the H200 it made batch-64
+    # constrained steps 1.24x faster but batch 1, 16 and 256 0.9-0.97x (benchmarks/results/
+    # profile_step_cuda_grammar_process_{on,off}.json): llguidance's own work bounds the step.
+    structured_output_grammar_process: bool = False
     # Speculative decoding: up to `num_speculative_tokens` drafts per sequence and step, verified
     # by one target forward (model_ops/rejection_sampler.py). It schedules synchronously: the
     # next drafts need the tokens this step accepted.
@@ -88,12 +86,6 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         self._check_speculative()
         self._check_parallel()
-
-    def grammar_process_enabled(self, device: torch.device) -> bool:
-        """Whether a rank on ``device`` keeps its grammar states in a grammar process."""
-        if self.structured_output_grammar_process is None:
-            return device.type == "cuda"
-        return self.structured_output_grammar_process
 
     def _check_parallel(self) -> None:
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:

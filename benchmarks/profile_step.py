@@ -214,7 +214,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--grammar-threads", type=int, default=None, help="llguidance executor")
     ap.add_argument(
-        "--grammar-process", choices=["on", "off"], default=None, help="default: on CUDA only"
+        "--grammar-process", choices=["on", "off"], default=None, help="default: the engine's (off)"
     )
     ap.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--tag", default="", help="suffix of the output file")

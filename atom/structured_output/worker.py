@@ -17,7 +17,7 @@ request's life on a rank:
   the Triton kernel on GPU or the reference on CPU.
 - ``release`` on any terminal path, idempotently.
 
-On a GPU the states live in a grammar process of the rank's own (``grammar_process``): the same
+With ``EngineConfig.structured_output_grammar_process`` the states live in a process of their own (``grammar_process``): the same
 steps run there, on their own interpreter, and write the rows into memory both processes map.
 """
 
@@ -312,7 +312,7 @@ class StructuredOutputWorker:
 
     def _initialize(self) -> None:
         """Background: this rank's tokenizer and grammar tokenizer, then the manager, here or
-        in a grammar process (``EngineConfig.grammar_process_enabled``)."""
+        in a grammar process (``EngineConfig.structured_output_grammar_process``)."""
         try:
             tokenizer_path = self.config.tokenizer or self.model_path
             tokenizer = load_tokenizer(tokenizer_path)
@@ -324,7 +324,7 @@ class StructuredOutputWorker:
                 "threads": self.config.structured_output_threads,
                 "whitespace": self.config.structured_output_whitespace,
             }
-            if self.config.grammar_process_enabled(self.device):
+            if self.config.structured_output_grammar_process:
                 timeout_s = self.config.worker_timeout_s
                 self.process = GrammarProcess(tokenizer_path, options, timeout_s)
             else:
