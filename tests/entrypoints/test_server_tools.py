@@ -337,3 +337,23 @@ def test_strict_tool_under_auto_is_a_valid_call_or_text(client, model_id):
             _check_weather_args(call.function.arguments)
     else:
         assert choice.message.content
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": [{"type": "custom", "name": "grep"}]}, "tools[0]"),
+        ({"tools": [{"type": "tool_search"}]}, "tools[0]"),
+        (
+            {"input": [{"type": "custom_tool_call", "call_id": "c", "name": "g", "input": "x"}]},
+            "input[0]",
+        ),
+        ({"input": [{"type": "tool_search_call", "call_id": "c", "arguments": {}}]}, "input[0]"),
+    ],
+)
+def test_responses_custom_and_tool_search_are_400_naming_the_field(server, model_id, body, param):
+    """No deployment adapter declares custom or tool-search tools: refused, never ignored."""
+    payload = {"model": model_id, "input": "Hi", "max_output_tokens": 4, **body}
+    r = httpx.post(f"{server.url}/v1/responses", json=payload, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(param), r.text
