@@ -27,9 +27,14 @@ class EngineClient(Protocol):
     eos_token_ids: list[int]
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prefix_source: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request until it finishes; leaving early aborts it."""
+        """Outputs of one request until it finishes; leaving early aborts it. `prefix_source`:
+        another running sample of the same prompt whose KV blocks this one reuses."""
         ...
 
     async def abort(self, request_id: str) -> None:

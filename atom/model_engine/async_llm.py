@@ -41,7 +41,11 @@ class AsyncLLM:
                 pass
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prefix_source: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs until finished. If the consumer goes away first (client disconnect),
         the request is aborted and its KV blocks are freed."""
@@ -52,7 +56,7 @@ class AsyncLLM:
             self._queues[request_id] = (asyncio.get_running_loop(), q)
         finished = False
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params)
+            self.engine.add_request(request_id, prompt_token_ids, params, prefix_source)
         except BaseException:
             with self._lock:
                 self._queues.pop(request_id, None)

@@ -126,11 +126,17 @@ class LLMEngine:
         )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prefix_source: str | None = None,
     ) -> None:
         """Validate and queue one request (a `ValueError` names what is wrong). Nothing waits
         here: a constrained request waits in its replica's scheduler until its grammar is bound
-        on every rank, and a grammar that cannot compile ends it with finish reason "error"."""
+        on every rank, and a grammar that cannot compile ends it with finish reason "error".
+        `prefix_source`: another sample of the same prompt, whose replica this one joins so
+        that it reuses the prompt's KV blocks (`Scheduler._waits_for_prefix`)."""
         self.check_health()
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -148,11 +154,14 @@ class LLMEngine:
         with self._lock:
             if request_id in self._route:
                 raise ValueError(f"duplicate request id {request_id!r}")
-            core = min(self.cores, key=lambda c: c.scheduler.num_waiting + c.scheduler.num_running)
+            core = self._route.get(prefix_source or "") or self._least_loaded()
             self._route[request_id] = core
             if params.structured_output is not None:
                 self._constrained.add(request_id)
-        core.submit_add(Sequence(request_id, prompt_token_ids, params))
+        core.submit_add(Sequence(request_id, prompt_token_ids, params, prefix_source))
+
+    def _least_loaded(self) -> EngineCore:
+        return min(self.cores, key=lambda c: c.scheduler.num_waiting + c.scheduler.num_running)
 
     def abort_request(self, request_ids: list[str]) -> None:
         with self._lock:

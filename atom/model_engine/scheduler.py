@@ -5,6 +5,9 @@ token, or the next prefill chunk), then waiting ones in arrival order. When the 
 the most recently admitted running sequence is preempted: its blocks are freed and it goes back to
 the head of the queue to be recomputed (prefix caching usually makes that cheap).
 
+The samples of one prompt (`n` > 1) share its KV blocks: the first is prefilled, the others
+wait until its prompt's full blocks are in the prefix cache and then compute only the rest.
+
 A constrained request waits (`WAITING_FOR_GRAMMAR`) until the engine core reports its grammar
 bound on every rank (`grammar_ready`); until then it is skipped and later requests run.
 
@@ -169,7 +172,11 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             seq = self.waiting[i]
-            if seq.status == SequenceStatus.WAITING_FOR_GRAMMAR or seq.num_placeholders:
+            if (
+                seq.status == SequenceStatus.WAITING_FOR_GRAMMAR
+                or seq.num_placeholders
+                or self._waits_for_prefix(seq)
+            ):
                 i += 1
                 continue
             if not seq.block_table:
@@ -188,6 +195,22 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             batch.draft_token_ids.append([])
             budget -= n
+
+    def _waits_for_prefix(self, seq: Sequence) -> bool:
+        """A parallel sample waits while the sample it shares its prompt with has not yet
+        computed the prompt's full blocks: admitted afterwards, it finds them in the prefix
+        cache (reference-counted, so the prompt is prefilled once) instead of computing them
+        again in the same step. It stops waiting for good once they are there, or once the
+        other has finished."""
+        source = self.requests.get(seq.prefix_source) if seq.prefix_source else None
+        if source is None or not self.block_manager.enable_prefix_caching:
+            seq.prefix_source = None
+            return False
+        shared = (seq.num_prompt_tokens - 1) // self.block_manager.block_size
+        if source.num_hashed_blocks >= shared:
+            seq.prefix_source = None
+            return False
+        return True
 
     def _advance(self, batch: ScheduledBatch) -> None:
         """Count the batch's tokens as computed and append a placeholder per sampled token

@@ -25,10 +25,19 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prefix_source: str | None = None,
+    ):
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.params = params
+        # A parallel sample (`n` > 1) names the request whose prompt blocks it reuses: it waits
+        # until that one has computed them (`Scheduler._waits_for_prefix`).
+        self.prefix_source = prefix_source
         self.prompt_token_ids = list(prompt_token_ids)
         # Prompt, then output tokens: an entry before the placeholders never changes again, so
         # each step's output refers to them instead of copying (`output.TokenIdsPrefix`).

@@ -36,7 +36,7 @@ class ScriptedEngine:
         self.script = script
         self.aborted: list[str] = []
 
-    async def generate(self, request_id, prompt_token_ids, params):
+    async def generate(self, request_id, prompt_token_ids, params, prefix_source=None):
         for item in self.script:
             if isinstance(item, Exception):
                 raise item

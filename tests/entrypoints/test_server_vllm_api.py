@@ -113,7 +113,7 @@ def test_penalties_change_a_completion(client, model_id):
         ({"extra_body": {"best_of": 3}}, "best_of"),
         ({"suffix": "x"}, "suffix"),
         ({"n": 17}, "n"),
-        ({"n": 2, "stream": True}, "n"),
+        ({"n": 17, "stream": True}, "n"),
         ({"max_tokens": 10**7}, "max_tokens"),
     ],
 )

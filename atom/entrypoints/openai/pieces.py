@@ -202,15 +202,16 @@ async def generate_pieces(
     params: SamplingParams,
     tracker: RequestTracker,
     tools: ToolRequest | None = None,
+    prefix_source: str | None = None,
 ) -> AsyncIterator[Piece]:
     """Deltas as the engine produces them, then one `Finished` or `Failed`. Errors end it with
     `Failed` rather than raising, so a stream always ends with its endpoint's terminal event
-    instead of being cut."""
+    instead of being cut. `prefix_source` as in `ServingContext.generate`."""
     parser = serving.reasoning_parser(rendered)
     tool_parser = tools.parser() if tools is not None else None
     final = None
     try:
-        async for out in serving.generate(request_id, rendered, params, tracker):
+        async for out in serving.generate(request_id, rendered, params, tracker, prefix_source):
             final = out
             if out.finished and out.finish_reason not in _SUCCESS:
                 break  # settled below, its text unshown

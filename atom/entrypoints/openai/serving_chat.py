@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,15 +32,14 @@ from openai.types.completion_usage import (
 )
 
 from atom.entrypoints.openai.errors import bad_request
-from atom.entrypoints.openai.metrics import RequestTracker
 from atom.entrypoints.openai.pieces import (
     AnswerDelta,
     Failed,
     Finished,
     HeldLogprobs,
+    Piece,
     ReasoningDelta,
     ToolCallDelta,
-    generate_pieces,
     settle,
     split_output,
 )
@@ -51,7 +51,7 @@ from atom.entrypoints.openai.protocol import (
     ChatTextPart,
 )
 from atom.entrypoints.openai.request_headers import request_id_of
-from atom.entrypoints.openai.samples import check_n, collect_samples
+from atom.entrypoints.openai.samples import check_n, collect_samples, stream_samples
 from atom.entrypoints.openai.serving_engine import (
     RenderedPrompt,
     ServingContext,
@@ -143,17 +143,21 @@ class _Chunks:
 
     def delta(
         self,
+        index: int,
         delta: ChoiceDelta,
         logprobs: list[ChatCompletionTokenLogprob] | None = None,
         **finish: Any,
     ) -> ChatCompletionChunk:
+        """A chunk of choice `index` (one per sample of `n`)."""
         finish.setdefault("finish_reason", None)
         lp = None if logprobs is None else ChunkLogprobs(content=logprobs)
-        choice = ChunkChoice(index=0, delta=delta, logprobs=lp, **finish)
+        choice = ChunkChoice(index=index, delta=delta, logprobs=lp, **finish)
         return self._chunk([choice], **({"usage": None} if self.include_usage else {}))
 
-    def finish(self, done: Finished) -> ChatCompletionChunk:
-        return self.delta(ChoiceDelta(), finish_reason=done.finish_reason, **_stop_reason(done))
+    def finish(self, index: int, done: Finished) -> ChatCompletionChunk:
+        return self.delta(
+            index, ChoiceDelta(), finish_reason=done.finish_reason, **_stop_reason(done)
+        )
 
     def usage(self, usage: CompletionUsage) -> ChatCompletionChunk:
         return self._chunk([], usage=usage)
@@ -231,7 +235,7 @@ class ServingChat:
                     param="max_completion_tokens",
                 )
         refuse_unsupported(req)
-        n = check_n(req.n, req.stream)
+        n = check_n(req.n)
         thinking = s.resolve_thinking(
             req.reasoning_effort, _thinking_toggle(req), "reasoning_effort"
         )
@@ -259,9 +263,8 @@ class ServingChat:
         )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            tracker = s.metrics.tracker("chat")
             return SSEResponse(
-                self._stream(request_id, req, rendered, params, tracker, include_usage, top, tools)
+                self._stream(request_id, req, rendered, params, n, include_usage, top, tools)
             )
         samples = await run_until_disconnect(
             raw_request, collect_samples(s, request_id, rendered, params, "chat", n)
@@ -342,33 +345,51 @@ class ServingChat:
         req: ChatCompletionRequest,
         rendered: RenderedPrompt,
         params: SamplingParams,
-        tracker: RequestTracker,
+        n: int,
         include_usage: bool,
         top: int,
         tools: ToolRequest | None,
     ) -> AsyncIterator[str]:
+        """Every choice's chunks as its sample produces them; each choice ends with its own
+        finish_reason, the usage of all of them comes last. A failed choice ends the stream
+        with its error (the other samples are aborted)."""
         chunks = _Chunks(request_id, req.model, include_usage)
-        yield data_event(chunks.delta(ChoiceDelta(role="assistant", content="")))
-        pieces = generate_pieces(self.s, request_id, rendered, params, tracker, tools)
-        async for piece in pieces:
-            match piece:
-                case ToolCallDelta(index=index, call=call, logprobs=logprobs):
-                    call_id = random_id("call_")
-                    for delta in _tool_call_deltas(index, call_id, call):
-                        yield data_event(chunks.delta(delta, self._logprobs(logprobs, top)))
-                        logprobs = None
-                case ReasoningDelta(text=text, logprobs=logprobs):
-                    delta = ChoiceDelta(reasoning_content=text)
-                    yield data_event(chunks.delta(delta, self._logprobs(logprobs, top)))
-                case AnswerDelta(text=text, logprobs=logprobs):
-                    delta = ChoiceDelta(content=text)
-                    yield data_event(chunks.delta(delta, self._logprobs(logprobs, top)))
-                case HeldLogprobs(logprobs=logprobs):
-                    yield data_event(chunks.delta(ChoiceDelta(), self._logprobs(logprobs, top)))
-                case Finished():
-                    yield data_event(chunks.finish(piece))
-                    if include_usage:
-                        yield data_event(chunks.usage(self._usage(piece)))
-                case Failed(error=error):
-                    yield data_event(error.openai_body())
+        for index in range(n):
+            yield data_event(chunks.delta(index, ChoiceDelta(role="assistant", content="")))
+        usage = None
+        pieces = stream_samples(self.s, request_id, rendered, params, "chat", n, tools)
+        async with contextlib.aclosing(pieces):
+            async for index, piece in pieces:
+                if isinstance(piece, Failed):
+                    yield data_event(piece.error.openai_body())
+                    yield DONE
+                    return
+                if isinstance(piece, Finished):
+                    more = self._usage(piece)
+                    usage = more if usage is None else _add_usage(usage, more)
+                for chunk in self._piece_chunks(chunks, index, piece, top):
+                    yield data_event(chunk)
+        if include_usage and usage is not None:
+            yield data_event(chunks.usage(usage))
         yield DONE
+
+    def _piece_chunks(
+        self, chunks: _Chunks, index: int, piece: Piece, top: int
+    ) -> list[ChatCompletionChunk]:
+        """The chunks of one non-failed piece of choice `index`."""
+        match piece:
+            case ToolCallDelta(index=call_index, call=call, logprobs=logprobs):
+                deltas = _tool_call_deltas(call_index, random_id("call_"), call)
+                head = chunks.delta(index, deltas[0], self._logprobs(logprobs, top))
+                return [head] + [chunks.delta(index, delta) for delta in deltas[1:]]
+            case ReasoningDelta(text=text, logprobs=logprobs):
+                delta = ChoiceDelta(reasoning_content=text)
+                return [chunks.delta(index, delta, self._logprobs(logprobs, top))]
+            case AnswerDelta(text=text, logprobs=logprobs):
+                delta = ChoiceDelta(content=text)
+                return [chunks.delta(index, delta, self._logprobs(logprobs, top))]
+            case HeldLogprobs(logprobs=logprobs):
+                return [chunks.delta(index, ChoiceDelta(), self._logprobs(logprobs, top))]
+            case Finished():
+                return [chunks.finish(index, piece)]
+        return []

@@ -7,6 +7,7 @@ reasoning, as on Chat.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,13 +24,13 @@ from atom.entrypoints.openai.pieces import (
     Failed,
     Finished,
     HeldLogprobs,
+    Piece,
     ReasoningDelta,
-    generate_pieces,
     settle,
 )
 from atom.entrypoints.openai.protocol import CompletionRequest
 from atom.entrypoints.openai.request_headers import request_id_of
-from atom.entrypoints.openai.samples import check_n, collect_samples
+from atom.entrypoints.openai.samples import check_n, collect_samples, stream_samples
 from atom.entrypoints.openai.serving_engine import (
     RenderedPrompt,
     ServingContext,
@@ -78,7 +79,7 @@ class ServingCompletions:
         s = self.s
         s.check_model(req.model)
         refuse_unsupported(req)
-        n = check_n(req.n, req.stream)
+        n = check_n(req.n)
         rendered = await anyio.to_thread.run_sync(self._render, req.prompt)
         cap = s.resolve_cap(req.max_tokens, "max_tokens", len(rendered.token_ids), "prompt")
         params = sampling_params(s, req, cap, req.logprobs)
@@ -86,9 +87,8 @@ class ServingCompletions:
         params.structured_output = await constrain(s, req, None, rendered, params, "completions")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            tracker = s.metrics.tracker("completions")
-            pieces = generate_pieces(s, request_id, rendered, params, tracker)
-            return SSEResponse(self._stream(request_id, req, pieces, include_usage))
+            pieces = stream_samples(s, request_id, rendered, params, "completions", n)
+            return SSEResponse(self._stream(request_id, req, pieces, n, include_usage))
         samples = await run_until_disconnect(
             raw_request, collect_samples(s, request_id, rendered, params, "completions", n)
         )
@@ -143,33 +143,46 @@ class ServingCompletions:
         )
 
     async def _stream(
-        self, request_id: str, req: CompletionRequest, pieces: AsyncIterator, include_usage: bool
+        self,
+        request_id: str,
+        req: CompletionRequest,
+        pieces: AsyncIterator[tuple[int, Piece]],
+        n: int,
+        include_usage: bool,
     ) -> AsyncIterator[str]:
-        offset = 0
-        async for piece in pieces:
-            match piece:
-                case ReasoningDelta(text=text, logprobs=lps) | AnswerDelta(text=text, logprobs=lps):
-                    yield self._chunk(
-                        request_id, req, text, self._logprobs(lps, req.logprobs, offset)
-                    )
-                    offset += len(text)
-                case HeldLogprobs(logprobs=lps):
-                    yield self._chunk(
-                        request_id, req, "", self._logprobs(lps, req.logprobs, offset)
-                    )
-                case Finished():
-                    yield self._chunk(request_id, req, "", None, piece.finish_reason)
-                    if include_usage:
-                        usage = self._completion(request_id, req.model, [], _usage(piece))
-                        yield data_event(usage)
-                case Failed(error=error):
-                    yield data_event(error.openai_body())
+        """Every choice's chunks as its sample produces them (text offsets kept per choice);
+        each ends with its own finish_reason, the usage of all of them comes last. A failed
+        choice ends the stream with its error (the other samples are aborted)."""
+        offsets, usage = [0] * n, None
+        async with contextlib.aclosing(pieces):
+            async for index, piece in pieces:
+                match piece:
+                    case (
+                        ReasoningDelta(text=text, logprobs=lps)
+                        | AnswerDelta(text=text, logprobs=lps)
+                    ):
+                        lp = self._logprobs(lps, req.logprobs, offsets[index])
+                        yield self._chunk(request_id, req, index, text, lp)
+                        offsets[index] += len(text)
+                    case HeldLogprobs(logprobs=lps):
+                        lp = self._logprobs(lps, req.logprobs, offsets[index])
+                        yield self._chunk(request_id, req, index, "", lp)
+                    case Finished():
+                        yield self._chunk(request_id, req, index, "", None, piece.finish_reason)
+                        usage = _usage(piece, usage)
+                    case Failed(error=error):
+                        yield data_event(error.openai_body())
+                        yield DONE
+                        return
+        if include_usage and usage is not None:
+            yield data_event(self._completion(request_id, req.model, [], usage))
         yield DONE
 
     def _chunk(
         self,
         request_id: str,
         req: CompletionRequest,
+        index: int,
         text: str,
         logprobs: Logprobs | None,
         finish_reason: str | None = None,
@@ -177,7 +190,7 @@ class ServingCompletions:
         # Streamed choices say `"finish_reason": null` until the last one (as OpenAI and vLLM
         # send them), which the SDK's CompletionChoice type does not allow: built unvalidated.
         choice = CompletionChoice.model_construct(
-            finish_reason=finish_reason, index=0, text=text, logprobs=logprobs
+            finish_reason=finish_reason, index=index, text=text, logprobs=logprobs
         )
         return data_event(self._completion(request_id, req.model, [choice]))
 

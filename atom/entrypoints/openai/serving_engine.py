@@ -494,8 +494,11 @@ class ServingContext:
         rendered: RenderedPrompt,
         params: SamplingParams,
         tracker: RequestTracker,
+        prefix_source: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """engine.generate with metrics; aborts the engine request on any early exit."""
+        """engine.generate with metrics; aborts the engine request on any early exit.
+        `prefix_source`: the first sample of the same prompt (`n` > 1), whose KV blocks this
+        one reuses."""
         self.drain.check()
         tracker.prompt(len(rendered.token_ids))
         finished = False
@@ -503,7 +506,7 @@ class ServingContext:
         self.drain.in_flight.add(request_id)
         try:
             try:
-                stream = self.engine.generate(request_id, rendered.token_ids, params)
+                stream = self.engine.generate(request_id, rendered.token_ids, params, prefix_source)
                 async for out in stream:
                     tracker.tokens(len(out.new_token_ids))
                     if out.finished:
@@ -534,11 +537,12 @@ class ServingContext:
         rendered: RenderedPrompt,
         params: SamplingParams,
         tracker: RequestTracker,
+        prefix_source: str | None = None,
     ) -> tuple[RequestOutput, list[TokenLogprob]]:
         """Run to completion; returns (final output, all logprobs entries)."""
         final = None
         logprobs: list[TokenLogprob] = []
-        async for out in self.generate(request_id, rendered, params, tracker):
+        async for out in self.generate(request_id, rendered, params, tracker, prefix_source):
             if out.logprobs:
                 logprobs.extend(out.logprobs)
             final = out
