@@ -142,6 +142,39 @@ def test_n_samples_on_completions_and_chat(client, model_id):
     assert all(c.message.content in ("left", "right") for c in chat.choices)
 
 
+def test_n_samples_stream_as_they_are_returned_whole(client, model_id, server):
+    """Streamed `n` = 3 choices, interleaved by index, add up to the same texts and finish
+    reasons as the non-streamed ones (same seed), with one usage chunk last. Completion chunks
+    go through a non-validating client (`finish_reason: null`, see above)."""
+    kw = dict(n=3, temperature=1.0, seed=11, max_tokens=8)
+    whole = _complete(client, model_id, **kw)
+    lenient = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    texts, finishes, usage = ["", "", ""], [None] * 3, []
+    for chunk in _complete(
+        lenient, model_id, stream=True, stream_options={"include_usage": True}, **kw
+    ):
+        if chunk.usage is not None:
+            assert not chunk.choices
+            usage.append(chunk.usage)
+        for c in chunk.choices:
+            assert finishes[c.index] is None  # nothing after a choice's finish
+            texts[c.index] += c.text
+            finishes[c.index] = c.finish_reason
+    assert texts == [c.text for c in whole.choices]
+    assert finishes == [c.finish_reason for c in whole.choices]
+    assert len(usage) == 1 and usage[0].completion_tokens == whole.usage.completion_tokens
+    messages = [{"role": "user", "content": "Pick one."}]
+    chat = dict(model=model_id, messages=messages, n=2, temperature=1.0, max_tokens=4)
+    chat["extra_body"] = {"guided_choice": ["left", "right"]}
+    content, chat_finishes = ["", ""], [None, None]
+    for chunk in client.chat.completions.create(stream=True, **chat):
+        for c in chunk.choices:
+            content[c.index] += c.delta.content or ""
+            chat_finishes[c.index] = c.finish_reason or chat_finishes[c.index]
+    assert all(text in ("left", "right") for text in content)
+    assert chat_finishes == ["stop", "stop"]
+
+
 def test_tokenize_detokenize_version(server, model_id):
     tok = httpx.post(
         f"{server.url}/tokenize", json={"prompt": PROMPT, "return_token_strs": True}
