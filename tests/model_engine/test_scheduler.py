@@ -128,6 +128,26 @@ def test_prefix_cache_hit(tiny_llama_dir):
     _assert_all_free(engine)
 
 
+def test_parallel_samples_prefill_the_prompt_once(tiny_llama_dir):
+    """Samples added together with the first as their `prefix_source` wait for its prompt
+    blocks and reuse them from the prefix cache (each reports them cached), and decode what
+    they would decode alone."""
+    engine = _engine(tiny_llama_dir)
+    prompt = _prompts(1, base=64)[0]  # 64 tokens = 4 blocks; 3 can be shared
+    alone = _run(engine, [prompt])["r0"]
+    engine = _engine(tiny_llama_dir)  # a cold prefix cache
+    engine.add_request("s0", prompt, GREEDY)
+    for i in (1, 2, 3):
+        engine.add_request(f"s{i}", prompt, GREEDY, prefix_source="s0")
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert final["s0"].num_cached_tokens == 0
+    assert [final[f"s{i}"].num_cached_tokens for i in (1, 2, 3)] == [48, 48, 48]
+    assert all(o.output_token_ids == alone for o in final.values())
+    _assert_all_free(engine)
+
+
 def test_add_request_validation(tiny_llama_dir):
     engine = _engine(tiny_llama_dir, max_model_len=64)
     with pytest.raises(ValueError, match="max_model_len"):
