@@ -231,7 +231,10 @@ class StructuredOutputWorker:
         drafts = drafts if drafts is not None else [[]] * len(seqs)
         if constrained <= INLINE_ROWS:
             done: Future[GrammarRows] = Future()
-            done.set_result(self._step(updates, seqs, vocab_size, drafts))
+            try:
+                done.set_result(self._step(updates, seqs, vocab_size, drafts))
+            except Exception as e:  # noqa: BLE001 - raised by finish_step, as from the thread
+                done.set_exception(e)
             return done
         sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
         return self._step_thread.submit(self._step, updates, seqs, vocab_size, drafts)
