@@ -252,6 +252,13 @@ def _add_limit_args(p: argparse.ArgumentParser, s: ServerConfig) -> None:
         help="seconds a client may take to send a request's body (default: %(default)s)",
     )
     g.add_argument(
+        "--timeout-write",
+        type=_positive(float),
+        default=s.timeout_write_s,
+        help="seconds a client may read nothing of a response (a stream it stopped reading) "
+        "before it is dropped and its request aborted (default: %(default)s)",
+    )
+    g.add_argument(
         "--timeout-keep-alive",
         type=_positive(float),
         default=s.timeout_keep_alive_s,
@@ -323,6 +330,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         timeout_headers_s=args.timeout_headers,
         timeout_body_s=args.timeout_body,
         timeout_keep_alive_s=args.timeout_keep_alive,
+        timeout_write_s=args.timeout_write,
         max_connections=args.max_connections,
         api_key=args.api_key,
         chat_template=args.chat_template,

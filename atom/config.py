@@ -137,6 +137,7 @@ class ServerConfig:
     timeout_headers_s: float = 10.0  # a request's headers must arrive within this
     timeout_body_s: float = 30.0  # a request's body must arrive within this after its headers
     timeout_keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    timeout_write_s: float = 30.0  # a client reading nothing of its response this long is dropped
     max_connections: int = 1024  # open connections; one more gets a 503 and is closed
     # Required on /v1 routes when set (Bearer, or x-api-key on /v1/messages).
     api_key: str | None = None

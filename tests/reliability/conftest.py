@@ -25,6 +25,7 @@ SERVER_FLAGS = [
     "--max-request-bytes", str(256 << 10),
     "--timeout-headers", "2",
     "--timeout-body", "2",
+    "--timeout-write", "3",
     "--max-connections", "48",
     "--shutdown-timeout", "3",
 ]  # fmt: skip

@@ -1,7 +1,7 @@
 """Connection hygiene against slow and greedy clients, over raw sockets: headers sent a byte at a
-time (slowloris), a body that never completes, more connections than the cap, while /health
-keeps answering. The shared server runs with --timeout-headers 2, --timeout-body 2 and
---max-connections 48 (conftest.SERVER_FLAGS)."""
+time (slowloris), a body that never completes, a stream that is never read, more connections
+than the cap, while /health keeps answering. The shared server runs with --timeout-headers 2,
+--timeout-body 2, --timeout-write 3 and --max-connections 48 (conftest.SERVER_FLAGS)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,16 @@ import pytest
 pytestmark = pytest.mark.slow
 
 HEADERS_S = BODY_S = 2.0
+WRITE_S = 3.0
 CAP = 48
 
 
-def _connect(srv) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", srv.port), timeout=15)
+def _connect(srv, receive_buffer: int | None = None) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer:  # before connecting: the window the server may fill
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    s.settimeout(15)
+    s.connect(("127.0.0.1", srv.port))
     return s
 
 
@@ -94,6 +99,49 @@ def test_a_keep_alive_connection_is_held_to_the_header_deadline_again(served, mo
     rest = _read_all(s)
     s.close()
     assert b"408 Request Timeout" in rest, rest
+
+
+def _aborted(srv) -> float:
+    return srv.metrics().get('atom_requests_total{endpoint="chat",outcome="aborted"}', 0.0)
+
+
+def test_a_stream_that_is_never_read_is_dropped_and_its_request_aborted(
+    served, model_id, wait_idle
+):
+    # Each chunk carries 20 alternatives (~1.5 KB): the small windows fill within a few
+    # dozen tokens, long before the 400 that the request would otherwise generate.
+    wait_idle(served)
+    aborted, generated = _aborted(served), served.metrics()["atom_generation_tokens_total"]
+    body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": "Count."}],
+                       "max_tokens": 400, "ignore_eos": True, "stream": True,
+                       "logprobs": True, "top_logprobs": 20}).encode()  # fmt: skip
+    s = _connect(served, receive_buffer=4096)
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+        b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    assert s.recv(64).startswith(b"HTTP/1.1 200"), "no stream"
+    started = time.monotonic()
+    deadline = started + 60
+    while _aborted(served) == aborted:  # the client reads nothing more
+        assert time.monotonic() < deadline, served.metrics()
+        time.sleep(0.2)
+    took = time.monotonic() - started
+    m = wait_idle(served)  # KV blocks free, no grammar state, nothing running
+    tokens = m["atom_generation_tokens_total"] - generated
+    assert tokens < 400, tokens
+    assert WRITE_S <= took, took
+    s.settimeout(5)  # the server closed the connection: what it had sent, then its end
+    rest = b""
+    try:
+        while chunk := s.recv(65536):  # a timeout here: the connection is still open
+            rest += chunk
+    except ConnectionResetError:
+        pass
+    finally:
+        s.close()
+    assert b"data: [DONE]" not in rest
+    print(f"stalled stream dropped after {took:.1f} s, {tokens:.0f} of 400 tokens generated")
 
 
 def test_connections_over_the_cap_get_a_503_and_health_recovers(served):

@@ -289,7 +289,9 @@ def uvicorn_limits(cfg: Any) -> dict[str, Any]:
     from atom.entrypoints.openai.drain import GRACE_S
 
     return {
-        "http": GuardedH11Protocol.configured(cfg.timeout_headers_s, cfg.max_connections or None),
+        "http": GuardedH11Protocol.configured(
+            cfg.timeout_headers_s, cfg.timeout_write_s, cfg.max_connections or None
+        ),
         "timeout_keep_alive": cfg.timeout_keep_alive_s,
         "timeout_graceful_shutdown": cfg.shutdown_timeout_s + GRACE_S,
     }
