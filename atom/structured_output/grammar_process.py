@@ -187,7 +187,7 @@ class _Grammars:
         return view
 
     def step(self, updates: list[tuple[str, list[int]]], jobs: list) -> Any:
-        from atom.structured_output.worker import fill_rows
+        from atom.structured_output.grammar_rows import fill_rows
 
         if updates:
             self.manager.commit_many(updates)
