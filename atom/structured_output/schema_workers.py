@@ -121,6 +121,7 @@ class SchemaWorkers:
         self._idle: asyncio.Queue[_Worker] | None = None
         self._cache: OrderedDict[str, tuple] = OrderedDict()
         self._lock = threading.Lock()
+        self.num_preparations = 0  # preparations run in a worker (cache misses), for /metrics
 
     async def prepare(self, fmt: OutputFormat) -> OutputConstraint:
         """The checked and lowered constraint of ``fmt``; ``FormatError`` (a 400 naming the
@@ -131,6 +132,7 @@ class SchemaWorkers:
         key = _cache_key([fmt.kind, fmt.schema])
         outcome = self._cached(key)
         if outcome is None:
+            self.num_preparations += 1
             try:
                 outcome = await self._run("prepare", fmt.kind, fmt.schema)
             except BudgetExceeded:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -60,6 +60,16 @@ class _StructuredOutputCollector(Collector):
             "atom_structured_output_cached_grammars",
             "Compiled grammars in the workers' bounded caches",
             value=float(s.get("cached_grammars", 0)),
+        )
+        yield GaugeMetricFamily(
+            "atom_structured_output_prepared_schemas",
+            "Checked and lowered schemas in the server's bounded cache",
+            value=float(s.get("prepared_schemas", 0)),
+        )
+        yield CounterMetricFamily(
+            "atom_structured_output_schema_preparations",
+            "Schema preparations run in a worker process (cache misses)",
+            value=float(s.get("schema_preparations", 0)),
         )
 
 

@@ -287,7 +287,7 @@ class ServingContext:
         )
         self.tool_parser: str = server_config.tool_call_parser or self.adapter.tool_parser
         self.generation_defaults = generation_defaults(self.engine_config.model)
-        self.metrics = ApiMetrics(engine.stats, engine.structured_output_stats)
+        self.metrics = ApiMetrics(engine.stats, self.structured_output_stats)
         self.drain = Drain(engine.abort)
         self.prompt_bound = PromptBound(self.limits.context_window, max_token_bytes(self.tokenizer))
         self._token_bytes: dict[int, bytes] = {}
@@ -305,6 +305,14 @@ class ServingContext:
                 self.server_config.structured_output_budget_s,
             )
         return self._schema_workers
+
+    def structured_output_stats(self) -> dict[str, int]:
+        """The workers' grammar counters and the server's schema preparations, for /metrics."""
+        stats = dict(self.engine.structured_output_stats())
+        workers = self._schema_workers
+        stats["prepared_schemas"] = workers.num_cached if workers else 0
+        stats["schema_preparations"] = workers.num_preparations if workers else 0
+        return stats
 
     def close(self) -> None:
         if self._schema_workers is not None:
