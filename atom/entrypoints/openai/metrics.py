@@ -39,6 +39,34 @@ class _EngineCollector(Collector):
                 yield GaugeMetricFamily(name, doc, value=float(value))
 
 
+_STRUCTURED_OUTPUT_METRICS = (
+    (
+        GaugeMetricFamily,
+        "atom_structured_output_live_grammar_states",
+        "Per-request grammar states held by workers (bound, not yet released)",
+        "live_grammar_states",
+    ),
+    (
+        GaugeMetricFamily,
+        "atom_structured_output_cached_grammars",
+        "Compiled grammars in the workers' bounded caches",
+        "cached_grammars",
+    ),
+    (
+        GaugeMetricFamily,
+        "atom_structured_output_prepared_schemas",
+        "Checked and lowered schemas in the server's bounded cache",
+        "prepared_schemas",
+    ),
+    (
+        CounterMetricFamily,
+        "atom_structured_output_schema_preparations",
+        "Schema preparations run in a worker process (cache misses)",
+        "schema_preparations",
+    ),
+)
+
+
 class _StructuredOutputCollector(Collector):
     """Structured-output gauges over every rank, read at scrape time (0 when never used); the
     scrape reads worker counters directly and imports nothing of `atom.structured_output`."""
@@ -51,26 +79,8 @@ class _StructuredOutputCollector(Collector):
             s = self._stats()
         except Exception:
             return
-        yield GaugeMetricFamily(
-            "atom_structured_output_live_grammar_states",
-            "Per-request grammar states held by workers (bound, not yet released)",
-            value=float(s.get("live_grammar_states", 0)),
-        )
-        yield GaugeMetricFamily(
-            "atom_structured_output_cached_grammars",
-            "Compiled grammars in the workers' bounded caches",
-            value=float(s.get("cached_grammars", 0)),
-        )
-        yield GaugeMetricFamily(
-            "atom_structured_output_prepared_schemas",
-            "Checked and lowered schemas in the server's bounded cache",
-            value=float(s.get("prepared_schemas", 0)),
-        )
-        yield CounterMetricFamily(
-            "atom_structured_output_schema_preparations",
-            "Schema preparations run in a worker process (cache misses)",
-            value=float(s.get("schema_preparations", 0)),
-        )
+        for family, name, doc, key in _STRUCTURED_OUTPUT_METRICS:
+            yield family(name, doc, value=float(s.get(key, 0)))
 
 
 class ApiMetrics:
