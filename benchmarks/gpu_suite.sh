@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_suite.sh check    (GPU tests and compute-sanitizer, about 9 minutes)
 #   bash benchmarks/gpu_suite.sh grammar  (grammar process on/off profile and structured
 #                                          overhead; about 6 minutes)
+#   bash benchmarks/gpu_suite.sh racecheck (racecheck per engine variant under a host-memory
+#                                          watchdog, then on ATOM's own kernels; ~9 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -47,5 +49,32 @@ grammar() {
     step structured 170 python3 benchmarks/bench_structured_serving.py --random-llama-1b \
         --device cuda --out $out
 }
-"${1:?bench, check or grammar}"
+watched() {  # watched GIB COMMAND...: kill COMMAND's tree past GIB of host RSS; log the peak
+    local limit_kb=$(($1 * 1048576)) peak=0 rss tick=0; shift
+    setsid "$@" & local pid=$!
+    while kill -0 $pid 2>/dev/null; do
+        rss=$(ps -o rss= --pid $pid --ppid $pid 2>/dev/null | awk '{s+=$1} END {print s+0}')
+        ((rss > peak)) && peak=$rss
+        ((rss > limit_kb)) && { echo "watchdog: killed at $((rss / 1024)) MiB"; kill -9 -- -$pid; }
+        ((++tick % 10 == 0)) && echo "watchdog: ${tick} s, host RSS $((rss / 1024)) MiB"
+        sleep 1
+    done
+    wait $pid; local rc=$?
+    echo "peak host RSS $((peak / 1024)) MiB"
+    return $rc
+}
+racecheck() {
+    for variant in eager-sync eager-async graphs-sync graphs-async; do
+        step race_$variant 75 bash -c "$(declare -f watched); watched 40 compute-sanitizer \
+            --tool racecheck --print-limit 20 python3 benchmarks/sanitize_engine.py cuda $variant"
+    done
+    local own="_attention_kernel|_merge_splits|_store_kv|_bitmask_kernel|_rms_norm|_rotary|_silu"
+    step race_own_kernels 140 bash -c "$(declare -f watched); watched 40 compute-sanitizer \
+        --tool racecheck --print-limit 20 --kernel-regex 'kns=$own' \
+        python3 benchmarks/sanitize_engine.py"
+    step race_attention 90 bash -c "$(declare -f watched); watched 40 compute-sanitizer \
+        --tool racecheck --print-limit 20 --kernel-name kns=_attention_kernel \
+        python3 benchmarks/sanitize_engine.py cuda graphs-async"
+}
+"${1:?bench, check, grammar or racecheck}"
 tail -n 200 $out/summary.log

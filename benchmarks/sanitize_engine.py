@@ -5,6 +5,10 @@ Llama (the tests' checkpoint) so that the checked run stays short.
     compute-sanitizer --tool memcheck python benchmarks/sanitize_engine.py
     compute-sanitizer --tool racecheck python benchmarks/sanitize_engine.py
     python benchmarks/sanitize_engine.py cpu      # the same run on CPU (no sanitizer)
+    python benchmarks/sanitize_engine.py cuda graphs-sync   # one variant alone, no comparison
+
+A variant alone (eager-sync, eager-async, graphs-sync, graphs-async) tells which part of the
+engine a sanitizer's failure belongs to.
 
 Needs the SmolLM2 tokenizer: the embedded model, or ATOM_TEST_TOKENIZER_DIR (a saved copy).
 Exits non-zero when an output differs from the synchronous eager run or an answer is invalid.
@@ -70,10 +74,20 @@ def run(model: Path, device: str, **variant) -> list:
     return outs
 
 
+VARIANTS = {
+    f"{graphs}-{mode}": {"enforce_eager": graphs == "eager", "async_scheduling": mode == "async"}
+    for graphs in ("eager", "graphs")
+    for mode in ("sync", "async")
+}
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp))
         device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
+        if len(sys.argv) > 2:
+            run(model, device, **VARIANTS[sys.argv[2]])
+            return
         checked = run(model, device, enforce_eager=False, async_scheduling=True)
         reference = run(model, device, enforce_eager=True, async_scheduling=False)
     same = [
