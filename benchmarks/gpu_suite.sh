@@ -53,7 +53,7 @@ watched() {  # watched GIB COMMAND...: kill COMMAND's tree past GIB of host RSS;
     local limit_kb=$(($1 * 1048576)) peak=0 rss tick=0; shift
     setsid "$@" & local pid=$!
     while kill -0 $pid 2>/dev/null; do
-        rss=$(ps -o rss= --pid $pid --ppid $pid 2>/dev/null | awk '{s+=$1} END {print s+0}')
+        rss=$(ps -o rss= -s $pid 2>/dev/null | awk '{s+=$1} END {print s+0}')  # its session
         ((rss > peak)) && peak=$rss
         ((rss > limit_kb)) && { echo "watchdog: killed at $((rss / 1024)) MiB"; kill -9 -- -$pid; }
         ((++tick % 10 == 0)) && echo "watchdog: ${tick} s, host RSS $((rss / 1024)) MiB"
@@ -64,14 +64,16 @@ watched() {  # watched GIB COMMAND...: kill COMMAND's tree past GIB of host RSS;
     return $rc
 }
 racecheck() {
-    for variant in ${RACE_VARIANTS:-graphs-async eager-sync}; do
+    for variant in ${RACE_VARIANTS-graphs-async eager-sync}; do
         step race_$variant 70 bash -c "$(declare -f watched); watched 40 compute-sanitizer \
             --tool racecheck --print-limit 20 python3 benchmarks/sanitize_engine.py cuda $variant"
     done
     local own="_attention_kernel|_merge_splits|_store_kv|_bitmask_kernel|_rms_norm|_rotary|_silu"
+    # CUDA graph capture under racecheck ends in "Internal Sanitizer Error" (2026-12-02): the
+    # kernels are checked on the eager asynchronous path, which launches the same kernels.
     step race_own_kernels 120 bash -c "$(declare -f watched); watched 40 compute-sanitizer \
         --tool racecheck --print-limit 20 --kernel-regex 'kns=$own' \
-        python3 benchmarks/sanitize_engine.py cuda graphs-async"
+        python3 benchmarks/sanitize_engine.py cuda ${RACE_OWN_VARIANT:-eager-async}"
 }
 "${1:?bench, check, grammar or racecheck}"
 tail -n 200 $out/summary.log
