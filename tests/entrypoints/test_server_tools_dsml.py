@@ -56,16 +56,16 @@ def _valid_answer(content: str) -> None:
     assert set(answer) == {"answer"} and 0 <= answer["answer"] <= 99
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_required_call_is_a_valid_dsml_envelope(openai_client, model_id, seed):
-    r = openai_client.chat.completions.create(
+def _required_call(client, model_id, messages, **extra):
+    """A required call, checked to be a valid get_weather call."""
+    r = client.chat.completions.create(
         model=model_id,
-        messages=ASK,
+        messages=messages,
         tools=TOOLS,
         tool_choice="required",
         parallel_tool_calls=False,  # random weights would add invokes up to the cap
         max_tokens=120,
-        seed=seed,
+        **extra,
     )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -73,6 +73,12 @@ def test_required_call_is_a_valid_dsml_envelope(openai_client, model_id, seed):
     for call in choice.message.tool_calls:
         assert call.function.name == "get_weather"
         _valid_weather(call.function.arguments)
+    return r
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_required_call_is_a_valid_dsml_envelope(openai_client, model_id, seed):
+    _required_call(openai_client, model_id, ASK, seed=seed)
 
 
 def test_streamed_call_deltas(openai_client, model_id):
@@ -187,19 +193,7 @@ def test_deepseek_adapter_renders_a_tool_loop_with_the_v4_encoder(server, engine
         {"role": "user", "content": "And Rome?"},
     ]
     client = openai.OpenAI(base_url=f"{server.url}/v41/v1", api_key="x", max_retries=0, timeout=120)
-    r = client.chat.completions.create(
-        model=model_id,
-        messages=history,
-        tools=TOOLS,
-        tool_choice="required",
-        parallel_tool_calls=False,
-        reasoning_effort="none",
-        max_tokens=120,
-        seed=0,
-    )
+    r = _required_call(client, model_id, history, reasoning_effort="none", seed=0)
     encoder = DeepseekV4Encoder(engine.tokenizer)
     prompt = encoder.encode(encoder.render(history, TOOLS, {"thinking": False}))
     assert r.usage.prompt_tokens == len(prompt)
-    (call,) = r.choices[0].message.tool_calls
-    assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
-    _valid_weather(call.function.arguments)
