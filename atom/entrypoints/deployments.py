@@ -76,7 +76,9 @@ class DeploymentAdapter:
     default_effort: str | None = None
     # Whether thinking is on when the client says nothing (None: the chat template decides).
     thinking_default: bool | None = None
-    chat_encoder: str = "hf"  # the tokenizer's Jinja chat template
+    # "hf": the tokenizer's Jinja chat template; a built-in one ("deepseek-v4") renders the
+    # prompt when the checkpoint ships no template and --chat-template gives none.
+    chat_encoder: str = "hf"
     # "think" (inline <think>...</think>), "framed" (Kimi-K3 style channels), "auto" (inline
     # when the tokenizer has <think>/</think> tokens) or None.
     reasoning_dialect: str | None = "auto"
@@ -141,6 +143,7 @@ DEEPSEEK_V41 = DeploymentAdapter(
     default_effort="high",
     thinking_default=True,
     reasoning_dialect="think",
+    chat_encoder="deepseek-v4",
     tool_parser="dsml",
     model_types=("deepseek_v4", "deepseek_v41"),
     aliases=("v4.1", "deepseek-v4"),
@@ -154,6 +157,7 @@ DEEPSEEK_V4_FLASH = DeploymentAdapter(
     default_effort="high",
     thinking_default=True,
     reasoning_dialect="think",
+    chat_encoder="deepseek-v4",
     tool_parser="dsml",
     # Dated spellings too: web_search_2025_08_26, web_search_preview_2025_03_11, web_search_20250305.
     ignored_builtin_tools=frozenset({"web_search", "web_search_preview"}),
@@ -170,6 +174,7 @@ DEEPSEEK_V4_DSPARK = DeploymentAdapter(
     default_effort="high",
     thinking_default=True,
     reasoning_dialect="think",
+    chat_encoder="deepseek-v4",
     tool_parser="dsml",
     aliases=("dspark",),
     template_kwargs=_deepseek_template_kwargs,

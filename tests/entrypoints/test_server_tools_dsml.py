@@ -1,19 +1,25 @@
 """DSML tool calls (``--tool-call-parser dsml``) on a tiny random-weight model with DeepSeek's
 tokenizer, through the `openai` SDK against uvicorn: random weights write whatever the grammar
 admits, so every call is a valid DSML envelope with schema-valid arguments, and tools combine
-with an output format (the grammar admits the envelope or a schema-conforming answer)."""
+with an output format (the grammar admits the envelope or a schema-conforming answer). The
+DeepSeek adapter (`/v41`) renders its prompts with the DeepSeek V4 encoder (the tokenizer ships
+no chat template)."""
 
 from __future__ import annotations
 
 import json
 
 import httpx
+import openai
 import pytest
+
+from atom.entrypoints.encoders import DeepseekV4Encoder
 
 pytestmark = pytest.mark.slow
 
 MODEL_FIXTURE = "deepseek_tiny_dir"
 SERVER_KW = {"tool_call_parser": "dsml"}
+MOUNTS = {"/v41": "deepseek-v4.1"}
 
 WEATHER = {
     "type": "object",
@@ -50,16 +56,16 @@ def _valid_answer(content: str) -> None:
     assert set(answer) == {"answer"} and 0 <= answer["answer"] <= 99
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_required_call_is_a_valid_dsml_envelope(openai_client, model_id, seed):
-    r = openai_client.chat.completions.create(
+def _required_call(client, model_id, messages, **extra):
+    """A required call, checked to be a valid get_weather call."""
+    r = client.chat.completions.create(
         model=model_id,
-        messages=ASK,
+        messages=messages,
         tools=TOOLS,
         tool_choice="required",
         parallel_tool_calls=False,  # random weights would add invokes up to the cap
         max_tokens=120,
-        seed=seed,
+        **extra,
     )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -67,6 +73,12 @@ def test_required_call_is_a_valid_dsml_envelope(openai_client, model_id, seed):
     for call in choice.message.tool_calls:
         assert call.function.name == "get_weather"
         _valid_weather(call.function.arguments)
+    return r
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_required_call_is_a_valid_dsml_envelope(openai_client, model_id, seed):
+    _required_call(openai_client, model_id, ASK, seed=seed)
 
 
 def test_streamed_call_deltas(openai_client, model_id):
@@ -156,3 +168,32 @@ def test_bad_parameter_schema_with_a_format_names_it(server, model_id):
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith("tools[0].function.parameters")
+
+
+def test_deepseek_adapter_renders_a_tool_loop_with_the_v4_encoder(server, engine, model_id):
+    """An earlier call and its result go through the DeepSeek V4 encoder: the prompt has the
+    encoder's tokens, and the next call is a valid envelope."""
+    history = [
+        ASK[0],
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "days": 1}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "user", "content": "And Rome?"},
+    ]
+    client = openai.OpenAI(base_url=f"{server.url}/v41/v1", api_key="x", max_retries=0, timeout=120)
+    r = _required_call(client, model_id, history, reasoning_effort="none", seed=0)
+    encoder = DeepseekV4Encoder(engine.tokenizer)
+    prompt = encoder.encode(encoder.render(history, TOOLS, {"thinking": False}))
+    assert r.usage.prompt_tokens == len(prompt)

@@ -4,20 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-
-class ChatTemplateError(ValueError):
-    """The template rejected the conversation (bad role order, unsupported content...)."""
-
+from atom.entrypoints.encoders.base import ChatEncoder, ChatTemplateError
 
 _FALLBACK_ROLE = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
 
 
-class HFChatEncoder:
+class HFChatEncoder(ChatEncoder):
     name = "hf"
 
-    def __init__(self, tokenizer, template: str | None = None):
+    def __init__(self, tokenizer: Any, template: str | None = None) -> None:
         """``template``: a Jinja chat template used instead of the tokenizer's own."""
-        self.tokenizer = tokenizer
+        super().__init__(tokenizer)
         self.template = template
         own = template or getattr(tokenizer, "chat_template", None)
         self.has_template = bool(own)
@@ -51,6 +48,3 @@ class HFChatEncoder:
         if not isinstance(text, str):
             raise ChatTemplateError("the chat template did not produce text")
         return text
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

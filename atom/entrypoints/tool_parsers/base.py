@@ -33,16 +33,27 @@ class ToolParseError(ValueError):
     """An envelope whose body does not name a known tool with a JSON object of arguments."""
 
 
-def function_tools(tools: Sequence[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
-    """name -> parameter schema of the function tools (OpenAI nested or flat, Anthropic)."""
-    found: dict[str, dict[str, Any]] = {}
+def function_definitions(tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Each function tool (OpenAI nested or flat, Anthropic) as one shape for the prompt:
+    name, description when it has one, parameter schema."""
+    found: list[dict[str, Any]] = []
     for tool in tools or ():
         fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
         name = fn.get("name")
-        if isinstance(name, str):
-            params = fn.get("parameters", fn.get("input_schema"))
-            found[name] = params if isinstance(params, dict) else {"type": "object"}
+        if not isinstance(name, str):
+            continue
+        definition: dict[str, Any] = {"name": name}
+        if fn.get("description"):
+            definition["description"] = fn["description"]
+        params = fn.get("parameters", fn.get("input_schema"))
+        definition["parameters"] = params if isinstance(params, dict) else {"type": "object"}
+        found.append(definition)
     return found
+
+
+def function_tools(tools: Sequence[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """name -> parameter schema of the function tools."""
+    return {d["name"]: d["parameters"] for d in function_definitions(tools)}
 
 
 class ToolParser(ABC):

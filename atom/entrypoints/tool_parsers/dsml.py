@@ -19,7 +19,12 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from atom.entrypoints.tool_parsers.base import ToolCall, ToolParseError, ToolParser
+from atom.entrypoints.tool_parsers.base import (
+    ToolCall,
+    ToolParseError,
+    ToolParser,
+    function_definitions,
+)
 from atom.structured_output.tool_grammar import is_plain_string
 
 DSML = "｜DSML｜"
@@ -99,10 +104,14 @@ class DsmlParser(ToolParser):
         return "\n".join(lines)
 
     def instructions(self, tools: Sequence[dict[str, Any]]) -> str:
-        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        """DeepSeek V4's tools section: the envelope, the ``string`` flag, the schemas."""
+        schemas = "\n".join(json.dumps(d, ensure_ascii=False) for d in function_definitions(tools))
         example = self.render_calls([ToolCall("<function-name>", '{"<parameter>": "<value>"}')])
         return (
-            f"## Tools\nYou have access to these functions:\n{listed}\nTo call functions, "
-            'write them in this format (string="true" for a string value written as is, '
-            f'string="false" for any other value written as JSON):\n{example}'
+            "## Tools\n\nYou can call the tools below. To call one or more, write a "
+            f"{self.start} block like this one:\n\n{example}\n\n"
+            'Write string="true" for a string value written as is, string="false" for any other '
+            "value written as JSON.\n\n### Tool Schemas\n\n"
+            f"{schemas}\n\nCall only these tools, with the names and parameters their schemas "
+            "define."
         )

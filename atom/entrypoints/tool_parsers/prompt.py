@@ -10,7 +10,8 @@ from typing import Any
 from atom.entrypoints.tool_parsers.base import ToolCall, ToolParser
 
 
-def _calls(message: dict[str, Any]) -> list[ToolCall]:
+def message_calls(message: dict[str, Any]) -> list[ToolCall]:
+    """The tool calls of an assistant message (arguments as JSON text)."""
     calls = []
     for tc in message.get("tool_calls") or ():
         fn = tc.get("function", {})
@@ -28,7 +29,7 @@ def tools_into_messages(
     none) and assistant tool calls written into their content."""
     out = []
     for message in messages:
-        calls = _calls(message) if message.get("role") == "assistant" else []
+        calls = message_calls(message) if message.get("role") == "assistant" else []
         if calls:
             content = "\n".join(
                 p for p in (message.get("content"), parser.render_calls(calls)) if p
