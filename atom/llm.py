@@ -8,19 +8,27 @@ import itertools
 from tqdm import tqdm
 
 from atom.config import EngineConfig
-from atom.model_engine.llm_engine import LLMEngine
+from atom.model_engine.llm_engine import ExecutorFactory, LLMEngine
 from atom.model_engine.output import RequestOutput
 from atom.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(
-        self, model: str | None = None, *, config: EngineConfig | None = None, **config_overrides
+        self,
+        model: str | None = None,
+        *,
+        config: EngineConfig | None = None,
+        executor_factory: ExecutorFactory | None = None,
+        **config_overrides,
     ):
+        """``executor_factory``: how the ranks are built (default: in this process for one
+        rank, else worker processes); benchmarks pass ``MultiprocExecutor`` to measure the
+        transport of a single rank."""
         config = config or EngineConfig()
         if model is not None:
             config_overrides["model"] = model
-        self.engine = LLMEngine(dataclasses.replace(config, **config_overrides))
+        self.engine = LLMEngine(dataclasses.replace(config, **config_overrides), executor_factory)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

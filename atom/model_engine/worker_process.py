@@ -87,8 +87,7 @@ def _serve(runner, conn: Connection) -> None:
             method, args, kwargs = conn.recv()
         except (EOFError, OSError):  # the engine process is gone
             return
-        if method == SHUTDOWN:
-            conn.send(("ok", None))
+        if method == SHUTDOWN:  # no reply: the engine closes its end right after asking
             return
         try:
             if method in STEP_METHODS:
