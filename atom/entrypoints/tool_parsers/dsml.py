@@ -10,6 +10,10 @@
 A ``string="true"`` value is raw text; ``string="false"`` is JSON. The parameter's schema has the
 last word: raw text for a non-string parameter is read as JSON when it parses, JSON for a string
 parameter that does not parse stays text.
+
+Arguments stream one parameter at a time (``{"city": "Paris"``, then ``, "days": 3``, then
+``}`` at the invoke's close), each once its closing tag is written; a call begins with its first
+parameter (or, without any, at its invoke's close).
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from atom.entrypoints.tool_parsers.base import ToolCall, ToolParseError, ToolParser
+from atom.entrypoints.tool_parsers.base import ToolCall, ToolParseError, ToolParser, member
 from atom.structured_output.tool_grammar import is_plain_string
 
 DSML = "｜DSML｜"
 INVOKE = re.compile(rf'\s*<{DSML}invoke name="([^"]*)">(.*?)</{DSML}invoke>\s*', re.DOTALL)
+INVOKE_START = re.compile(rf'\s*<{DSML}invoke name="([^"]*)">')
+INVOKE_END = re.compile(rf"\s*</{DSML}invoke>\s*")
 PARAMETER = re.compile(
     rf'\s*<{DSML}parameter name="([^"]*)" string="(true|false)">(.*?)</{DSML}parameter>\s*',
     re.DOTALL,
@@ -79,6 +85,26 @@ class DsmlParser(ToolParser):
             calls.append(self.known(name, arguments))
         if not calls:
             raise ToolParseError("a DSML envelope without an invoke")
+        return calls
+
+    def progress(self, body: str) -> list[tuple[str, str]]:
+        calls: list[tuple[str, str]] = []
+        pos = 0
+        while invoke := INVOKE_START.match(body, pos):
+            name, pos, text = invoke.group(1), invoke.end(), ""
+            props = self.tools.get(name, {}).get("properties", {})
+            while param := PARAMETER.match(body, pos):
+                try:
+                    value = coerce(param.group(3), param.group(2) == "true", props.get(param.group(1)))
+                except ToolParseError:
+                    break
+                text += member(not text, param.group(1), value)
+                pos = param.end()
+            end = INVOKE_END.match(body, pos)
+            if end is None:
+                return calls + ([(name, text)] if text else [])
+            calls.append((name, (text or "{") + "}"))
+            pos = end.end()
         return calls
 
     def render_calls(self, calls: Sequence[ToolCall]) -> str:

@@ -1,14 +1,61 @@
 """JSON in tags, as SmolLM2/Qwen-style chat templates write a call:
 ``<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>``, one call per
-envelope (parallel calls are consecutive envelopes)."""
+envelope (parallel calls are consecutive envelopes).
+
+Arguments stream one top-level argument at a time (``{"city": "Paris"``, then ``, "days": 3``,
+then ``}``), each once its value is complete; a call whose ``name`` does not come before its
+``arguments`` object, or whose arguments are JSON text in a string, streams them whole at the
+close of its envelope."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
-from atom.entrypoints.tool_parsers.base import ToolCall, ToolParseError, ToolParser
+from atom.entrypoints.tool_parsers.base import ToolCall, ToolParseError, ToolParser, member
+
+_DECODER = json.JSONDecoder()
+_SPACE = re.compile(r"\s*")
+
+
+def _skip(text: str, pos: int) -> int:
+    return _SPACE.match(text, pos).end()  # type: ignore[union-attr]  # \s* always matches
+
+
+def _decided(text: str, pos: int) -> tuple[Any, int] | None:
+    """The JSON value at ``pos`` and where the token after it starts, once that token has
+    begun (until then a number could still grow)."""
+    try:
+        value, end = _DECODER.raw_decode(text, pos)
+    except json.JSONDecodeError:
+        return None
+    end = _skip(text, end)
+    return (value, end) if end < len(text) else None
+
+
+def _key(text: str, pos: int) -> tuple[Any, int] | None:
+    """An object key at ``pos`` and where its value starts."""
+    key = _decided(text, _skip(text, pos))
+    if key is None or not isinstance(key[0], str) or text[key[1]] != ":":
+        return None
+    return key[0], _skip(text, key[1] + 1)
+
+
+def _arguments_start(body: str) -> tuple[str, int] | None:
+    """The tool named before the arguments object, and where the object's members begin."""
+    pos = _skip(body, 0)
+    name_key = _key(body, pos + 1) if body.startswith("{", pos) else None
+    if name_key is None or name_key[0] != "name":
+        return None
+    name = _decided(body, name_key[1])
+    if name is None or not isinstance(name[0], str) or body[name[1]] != ",":
+        return None
+    args_key = _key(body, name[1] + 1)
+    if args_key is None or args_key[0] not in ("arguments", "parameters"):
+        return None
+    return (name[0], args_key[1] + 1) if body.startswith("{", args_key[1]) else None
 
 
 class JsonTagsParser(ToolParser):
@@ -30,6 +77,28 @@ class JsonTagsParser(ToolParser):
             except json.JSONDecodeError:
                 raise ToolParseError("the arguments are not JSON") from None
         return [self.known(call["name"], arguments)]
+
+    def progress(self, body: str) -> list[tuple[str, str]]:
+        head = _arguments_start(body)
+        if head is None:
+            return []
+        name, pos = head
+        text = ""
+        while True:
+            pos = _skip(body, pos)
+            if body.startswith("}", pos):
+                return [(name, (text or "{") + "}")]
+            if text:
+                if not body.startswith(",", pos):
+                    break
+                pos += 1
+            key = _key(body, pos)
+            value = _decided(body, key[1]) if key is not None else None
+            if key is None or value is None:
+                break
+            text += member(not text, key[0], value[0])
+            pos = value[1]
+        return [(name, text or "{")]
 
     def render_calls(self, calls: Sequence[ToolCall]) -> str:
         return "\n".join(
