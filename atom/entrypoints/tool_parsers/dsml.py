@@ -95,7 +95,9 @@ class DsmlParser(ToolParser):
             props = self.tools.get(name, {}).get("properties", {})
             while param := PARAMETER.match(body, pos):
                 try:
-                    value = coerce(param.group(3), param.group(2) == "true", props.get(param.group(1)))
+                    value = coerce(
+                        param.group(3), param.group(2) == "true", props.get(param.group(1))
+                    )
                 except ToolParseError:
                     break
                 text += member(not text, param.group(1), value)
