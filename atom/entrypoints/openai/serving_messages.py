@@ -34,7 +34,8 @@ from atom.entrypoints.openai.pieces import (
     Failed,
     Finished,
     ReasoningDelta,
-    ToolCallDelta,
+    ToolArgumentsDelta,
+    ToolCallStart,
     generate_pieces,
     settle,
     split_output,
@@ -162,16 +163,20 @@ class _Blocks:
         self.text_opened = False
         self.tool_used = False
 
-    def tool(self, call: ToolCall) -> list[str]:
-        """A tool_use block: its start (empty input), its arguments as one JSON delta."""
-        block = _tool_use(call).model_copy(update={"input": {}})
+    def tool_start(self, name: str) -> list[str]:
+        """A tool_use block's start (empty input); its arguments follow as `tool_arguments`."""
+        block = ToolUseBlock(type="tool_use", id=random_id("toolu_"), name=name, input={})
+        events = self._open(TOOL_USE)
         start = RawContentBlockStartEvent(
-            type="content_block_start", index=self.index + 1, content_block=block
+            type="content_block_start", index=self.index, content_block=block
         )
-        events = [*self._open(TOOL_USE), typed_event(start)]
-        delta = InputJSONDelta(type="input_json_delta", partial_json=call.arguments)
+        return [*events, typed_event(start)]
+
+    def tool_arguments(self, text: str) -> list[str]:
+        """A fragment of the open tool_use block's input, as JSON text."""
+        delta = InputJSONDelta(type="input_json_delta", partial_json=text)
         event = RawContentBlockDeltaEvent(type="content_block_delta", index=self.index, delta=delta)
-        return [*events, typed_event(event)]
+        return [typed_event(event)]
 
     def _open(self, kind: str) -> list[str]:
         events = []
@@ -324,8 +329,10 @@ class ServingMessages:
         pieces = generate_pieces(self.s, message_id, rendered, params, tracker, tools)
         async for piece in pieces:
             match piece:
-                case ToolCallDelta(call=call):
-                    out = blocks.tool(call)
+                case ToolCallStart(name=name):
+                    out = blocks.tool_start(name)
+                case ToolArgumentsDelta(text=text):
+                    out = blocks.tool_arguments(text)
                 case ReasoningDelta(text=text):
                     out = blocks.delta(REASONING, text)
                 case AnswerDelta(text=text):
@@ -335,7 +342,7 @@ class ServingMessages:
                 case Failed(error=error):
                     # api_error (500), overloaded_error (503: shutting down)
                     out = [typed_event(ErrorResponse.model_validate(error.anthropic_body()))]
-                case _:  # HeldLogprobs: this endpoint streams no logprobs
+                case _:  # ToolCallDone (its block stops with the next one), HeldLogprobs
                     out = []
             for event in out:
                 yield event

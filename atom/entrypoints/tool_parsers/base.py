@@ -104,7 +104,7 @@ class ToolParser(ABC):
     # ---- a format --------------------------------------------------------------------------
     @abstractmethod
     def parse_body(self, body: str) -> list[ToolCall]:
-        """The calls of one envelope's body (raises ``ToolParseError``)."""
+        """The calls of one envelope's body, at least one (else raises ``ToolParseError``)."""
 
     @abstractmethod
     def progress(self, body: str) -> list[tuple[str, str]]:
@@ -182,21 +182,25 @@ class ToolParser(ABC):
 
     def _close(self, envelope: str) -> list[Item]:
         """A closed envelope: its calls (the rest of their arguments), or text when none was
-        committed and it does not parse (or is beyond ``max_calls``)."""
+        committed and it does not parse (or is beyond ``max_calls``). The whole body commits
+        what its prefixes would, so the outcome does not depend on how it was split."""
+        body = envelope[len(self.start) : -len(self.end)]
+        out = self._advance(body)
         try:
-            calls = self.parse_body(envelope[len(self.start) : -len(self.end)])
+            calls = self.parse_body(body)
         except ToolParseError as e:
-            return self._broken(f"its envelope does not parse: {e}", envelope)
+            return out + self._broken(f"its envelope does not parse: {e}", envelope)
         opened = self._open
         agree = len(calls) >= len(opened) and all(
             c.name == o.name and c.arguments.startswith(o.streamed)
             for c, o in zip(calls, opened, strict=False)
         )
-        if not calls or not agree:
-            return self._broken("its envelope holds other calls than it began", envelope)
+        if not agree:
+            return out + self._broken("its envelope holds other calls than it began", envelope)
         if not self._fits(len(calls) - len(opened)):
-            return self._broken("its envelope holds more calls than the turn allows", envelope)
-        out: list[Item] = []
+            return out + self._broken(
+                "its envelope holds more calls than the turn allows", envelope
+            )
         for k, call in enumerate(calls):
             if k == len(self._open):
                 self._open.append(_Open(self._started, call.name))
