@@ -316,17 +316,17 @@ RESPONSES_TOOLS = [
     {"type": "function", "name": "get_time", "parameters": {"type": "object"}, "strict": False},
 ]
 NAMED_RESPONSES = {"type": "function", "name": "get_weather"}
+FORCED_RESPONSES = {  # a deterministic call of get_weather
+    "input": ASK,
+    "tools": RESPONSES_TOOLS,
+    "tool_choice": NAMED_RESPONSES,
+    "max_output_tokens": 60,
+    "temperature": 0,
+}
 
 
 def test_responses_tool_loop(client, model_id, wait_idle):
-    r = client.responses.create(
-        model=model_id,
-        input=ASK,
-        tools=RESPONSES_TOOLS,
-        tool_choice=NAMED_RESPONSES,
-        max_output_tokens=60,
-        temperature=0,
-    )
+    r = client.responses.create(model=model_id, **FORCED_RESPONSES)
     assert r.status == "completed"
     assert [item.type for item in r.output] == ["function_call"]
     call = r.output[0]
@@ -423,14 +423,7 @@ def test_responses_custom_and_tool_search_are_400_naming_the_field(server, model
 def test_responses_arguments_stream_in_deltas(client, model_id):
     """output_item.added (in progress, empty arguments), several arguments deltas, then
     arguments.done and output_item.done; the SDK's final response is the non-streamed one."""
-    kw = dict(
-        model=model_id,
-        input=ASK,
-        tools=RESPONSES_TOOLS,
-        tool_choice=NAMED_RESPONSES,
-        max_output_tokens=60,
-        temperature=0,
-    )
+    kw = dict(model=model_id, **FORCED_RESPONSES)
     (full,) = client.responses.create(**kw).output
     with client.responses.stream(**kw) as stream:
         events = list(stream)
