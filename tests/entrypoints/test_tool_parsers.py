@@ -205,11 +205,31 @@ def test_every_cut_streams_fragments_that_make_the_arguments(name):
     assert len(_fragments(_stream(name, list(output)))[0]) > 2
 
 
-def test_json_fragments_are_whole_arguments():
-    body = '{"name": "get_weather", "arguments": {"city": "Par\\"is", "tags": [1, {"a": 2}]}}'
+def test_json_strings_stream_as_written_other_values_whole():
+    body = '{"name": "get_weather", "arguments": {"city": "P\\"s", "tags": [1, {"a": 2}]}}'
     fragments = _fragments(_stream("json-tags", list(f"<tool_call>{body}</tool_call>")))
     # The last value is decided by the brace that closes the arguments.
-    assert fragments[0] == ["{", '"city": "Par\\"is"', ', "tags": [1, {"a": 2}]}']
+    assert fragments[0] == ["{", '"city": "', "P", '\\"', "s", '"', ', "tags": [1, {"a": 2}]}']
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    arguments=st.dictionaries(
+        st.text(max_size=5),
+        st.text(st.characters(exclude_categories=())) | st.integers() | st.lists(st.booleans()),
+        max_size=4,
+    ),
+    ascii_only=st.booleans(),
+)
+def test_any_json_arguments_stream_to_themselves(arguments, ascii_only):
+    """Escapes, surrogate pairs written as escapes, lone surrogates: streamed a character at a
+    time, the fragments make the canonical arguments."""
+    call = {"name": "get_weather", "arguments": arguments}
+    output = f"<tool_call>{json.dumps(call, ensure_ascii=ascii_only)}</tool_call>"
+    items = _stream("json-tags", list(output))
+    (done,) = [i for i in items if isinstance(i, ToolCall)]
+    assert done == ToolCall("get_weather", json.dumps(arguments, ensure_ascii=False))
+    assert "".join(_fragments(items)[0]) == done.arguments
 
 
 def test_arguments_before_the_name_arrive_whole():

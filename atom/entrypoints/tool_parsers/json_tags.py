@@ -2,10 +2,10 @@
 ``<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>``, one call per
 envelope (parallel calls are consecutive envelopes).
 
-Arguments stream one top-level argument at a time (``{"city": "Paris"``, then ``, "days": 3``,
-then ``}``), each once its value is complete; a call whose ``name`` does not come before its
-``arguments`` object, or whose arguments are JSON text in a string, streams them whole at the
-close of its envelope."""
+Arguments stream as the model writes them: a top-level string value as its characters come
+(``{"city": "Pa``, ``ris"``), any other value once it is complete (``, "days": 3``), then ``}``.
+A call whose ``name`` does not come before its ``arguments`` object, or whose arguments are
+JSON text in a string, streams them whole at the close of its envelope."""
 
 from __future__ import annotations
 
@@ -33,6 +33,30 @@ def _decided(text: str, pos: int) -> tuple[Any, int] | None:
         return None
     end = _skip(text, end)
     return (value, end) if end < len(text) else None
+
+
+def _string_so_far(text: str, pos: int) -> str | None:
+    """The characters of the unfinished JSON string at ``pos`` written so far (None: no string
+    there), short of an escape that is not complete yet, such as a surrogate pair's half."""
+    if not text.startswith('"', pos):
+        return None
+    i, raw = 0, text[pos + 1 :]
+    while i < len(raw) and raw[i] != '"':
+        if raw[i] != "\\":
+            i += 1
+        elif raw.startswith("\\u", i):
+            high = raw[i + 2 : i + 4].lower() in ("d8", "d9", "da", "db")
+            if i + (12 if high else 6) > len(raw):
+                break  # a high surrogate waits for its low half
+            i += 6
+        elif i + 2 > len(raw):
+            break
+        else:
+            i += 2
+    try:
+        return json.loads(f'"{raw[:i]}"')
+    except json.JSONDecodeError:
+        return None  # a raw control character: the string is invalid
 
 
 def _key(text: str, pos: int) -> tuple[Any, int] | None:
@@ -95,6 +119,9 @@ class JsonTagsParser(ToolParser):
             key = _key(body, pos)
             value = _decided(body, key[1]) if key is not None else None
             if key is None or value is None:
+                written = _string_so_far(body, key[1]) if key is not None else None
+                if written is not None:  # the member so far, short of the closing quote
+                    text += member(not text, key[0], written)[:-1]
                 break
             text += member(not text, key[0], value[0])
             pos = value[1]
