@@ -212,6 +212,29 @@ def test_json_strings_stream_as_written_other_values_whole():
     assert fragments[0] == ["{", '"city": "', "P", '\\"', "s", '"', ', "tags": [1, {"a": 2}]}']
 
 
+def test_dsml_raw_text_streams_as_written_json_values_whole():
+    fragments = _fragments(_stream("dsml", list(DSML_OUTPUT)))
+    city = ['{"city": "', *"São Paulo", '"']
+    # "3" under string="true" is an integer by its schema: read as JSON, so it comes whole.
+    assert fragments[0] == [*city, ', "days": 3', ', "units": null', ', "tags": ["a", 1]', "}"]
+    assert fragments[1] == ["{}"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(pieces=st.lists(st.sampled_from(["<", "/", D, "parameter", ">", "a", '"', "\\", "\n"])))
+def test_dsml_raw_text_that_looks_like_markup_streams_to_itself(pieces):
+    """A raw value holding pieces of the closing tag: held back until they are decided."""
+    city = "".join(pieces)
+    if f"</{D}parameter>" in city:
+        return  # the value would end there
+    parser = DsmlParser(TOOLS)
+    output = parser.render_calls([ToolCall("get_weather", json.dumps({"city": city}))])
+    items = _stream("dsml", list(output))
+    (done,) = [i for i in items if isinstance(i, ToolCall)]
+    assert json.loads(done.arguments) == {"city": city}
+    assert "".join(_fragments(items)[0]) == done.arguments
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     arguments=st.dictionaries(

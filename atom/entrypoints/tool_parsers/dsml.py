@@ -11,9 +11,10 @@ A ``string="true"`` value is raw text; ``string="false"`` is JSON. The parameter
 last word: raw text for a non-string parameter is read as JSON when it parses, JSON for a string
 parameter that does not parse stays text.
 
-Arguments stream one parameter at a time (``{"city": "Paris"``, then ``, "days": 3``, then
-``}`` at the invoke's close), each once its closing tag is written; a call begins with its first
-parameter (or, without any, at its invoke's close).
+Arguments stream a parameter at a time: a value read as raw text as its characters come
+(``{"city": "Pa``, ``ris"``), a JSON one once its closing tag is written (``, "days": 3``), then
+``}`` at the invoke's close. A call begins with its first parameter (or, without any, at its
+invoke's close).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from atom.entrypoints.reasoning.base import partial_suffix_len
 from atom.entrypoints.tool_parsers.base import ToolCall, ToolParseError, ToolParser, member
 from atom.structured_output.tool_grammar import is_plain_string
 
@@ -30,6 +32,8 @@ DSML = "｜DSML｜"
 INVOKE = re.compile(rf'\s*<{DSML}invoke name="([^"]*)">(.*?)</{DSML}invoke>\s*', re.DOTALL)
 INVOKE_START = re.compile(rf'\s*<{DSML}invoke name="([^"]*)">')
 INVOKE_END = re.compile(rf"\s*</{DSML}invoke>\s*")
+PARAMETER_START = re.compile(rf'\s*<{DSML}parameter name="([^"]*)" string="(true|false)">')
+PARAMETER_END = f"</{DSML}parameter>"
 PARAMETER = re.compile(
     rf'\s*<{DSML}parameter name="([^"]*)" string="(true|false)">(.*?)</{DSML}parameter>\s*',
     re.DOTALL,
@@ -41,11 +45,17 @@ def _types(schema: Any) -> set[str]:
     return {kind} if isinstance(kind, str) else set(kind or ())
 
 
+def _is_raw(is_string: bool, schema: Any) -> bool:
+    """Whether a value is its raw text: written as a string, for a parameter that may be one."""
+    types = _types(schema)
+    return is_string and (not types or "string" in types)
+
+
 def coerce(raw: str, is_string: bool, schema: Any) -> Any:
     """A parameter's value, read as its ``string`` flag says, corrected by its schema."""
-    types = _types(schema)
-    if is_string and (not types or "string" in types):
+    if _is_raw(is_string, schema):
         return raw
+    types = _types(schema)
     try:
         return json.loads(raw)
     except json.JSONDecodeError:
@@ -91,23 +101,34 @@ class DsmlParser(ToolParser):
         calls: list[tuple[str, str]] = []
         pos = 0
         while invoke := INVOKE_START.match(body, pos):
-            name, pos, text = invoke.group(1), invoke.end(), ""
-            props = self.tools.get(name, {}).get("properties", {})
-            while param := PARAMETER.match(body, pos):
-                try:
-                    value = coerce(
-                        param.group(3), param.group(2) == "true", props.get(param.group(1))
-                    )
-                except ToolParseError:
-                    break
-                text += member(not text, param.group(1), value)
-                pos = param.end()
+            name = invoke.group(1)
+            text, pos = self._parameters(name, body, invoke.end())
             end = INVOKE_END.match(body, pos)
             if end is None:
                 return calls + ([(name, text)] if text else [])
             calls.append((name, (text or "{") + "}"))
             pos = end.end()
         return calls
+
+    def _parameters(self, name: str, body: str, pos: int) -> tuple[str, int]:
+        """The arguments text of an invoke's parameters written from ``pos`` on (a raw text
+        value that is still being written included, short of its closing quote), and where the
+        complete ones end."""
+        props = self.tools.get(name, {}).get("properties", {})
+        text = ""
+        while param := PARAMETER.match(body, pos):
+            key, is_string = param.group(1), param.group(2) == "true"
+            try:
+                text += member(not text, key, coerce(param.group(3), is_string, props.get(key)))
+            except ToolParseError:
+                return text, pos
+            pos = param.end()
+        opened = PARAMETER_START.match(body, pos)
+        if opened and _is_raw(opened.group(2) == "true", props.get(opened.group(1))):
+            raw = body[opened.end() :]
+            raw = raw[: len(raw) - partial_suffix_len(raw, (PARAMETER_END,))]
+            text += member(not text, opened.group(1), raw)[:-1]
+        return text, pos
 
     def render_calls(self, calls: Sequence[ToolCall]) -> str:
         """As the grammar writes them: raw text for a plain string parameter, else JSON."""
