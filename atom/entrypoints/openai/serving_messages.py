@@ -35,6 +35,7 @@ from atom.entrypoints.openai.pieces import (
     Finished,
     ReasoningDelta,
     ToolArgumentsDelta,
+    ToolCallDone,
     ToolCallStart,
     generate_pieces,
     settle,
@@ -162,11 +163,13 @@ class _Blocks:
         self.kind: str | None = None  # channel of the open block: REASONING, TEXT or TOOL_USE
         self.text_opened = False
         self.tool_used = False
+        self.tool_index = -1  # the turn's index of the last tool_use block opened
 
-    def tool_start(self, name: str) -> list[str]:
+    def tool_start(self, index: int, name: str) -> list[str]:
         """A tool_use block's start (empty input); its arguments follow as `tool_arguments`."""
         block = ToolUseBlock(type="tool_use", id=random_id("toolu_"), name=name, input={})
         events = self._open(TOOL_USE)
+        self.tool_index = index
         start = RawContentBlockStartEvent(
             type="content_block_start", index=self.index, content_block=block
         )
@@ -177,6 +180,14 @@ class _Blocks:
         delta = InputJSONDelta(type="input_json_delta", partial_json=text)
         event = RawContentBlockDeltaEvent(type="content_block_delta", index=self.index, delta=delta)
         return [typed_event(event)]
+
+    def tool_done(self, index: int) -> list[str]:
+        """Call ``index`` is complete: its block stops, unless the next call's start (in the
+        same DSML envelope) already stopped it."""
+        if self.kind != TOOL_USE or self.tool_index != index:
+            return []
+        self.kind = None
+        return [typed_event(self._stop_event())]
 
     def _open(self, kind: str) -> list[str]:
         events = []
@@ -213,6 +224,8 @@ class _Blocks:
 
     def finish(self, done: Finished) -> list[str]:
         events = [] if self.text_opened or self.tool_used else self._open(TEXT)
+        if self.kind is not None:
+            events.append(typed_event(self._stop_event()))
         message_delta = RawMessageDeltaEvent(
             type="message_delta",
             delta=Delta(**_stop(done)),
@@ -220,7 +233,6 @@ class _Blocks:
         )
         return [
             *events,
-            typed_event(self._stop_event()),
             typed_event(message_delta),
             typed_event(RawMessageStopEvent(type="message_stop")),
         ]
@@ -329,10 +341,12 @@ class ServingMessages:
         pieces = generate_pieces(self.s, message_id, rendered, params, tracker, tools)
         async for piece in pieces:
             match piece:
-                case ToolCallStart(name=name):
-                    out = blocks.tool_start(name)
+                case ToolCallStart(index=index, name=name):
+                    out = blocks.tool_start(index, name)
                 case ToolArgumentsDelta(text=text):
                     out = blocks.tool_arguments(text)
+                case ToolCallDone(index=index):
+                    out = blocks.tool_done(index)
                 case ReasoningDelta(text=text):
                     out = blocks.delta(REASONING, text)
                 case AnswerDelta(text=text):
@@ -342,7 +356,7 @@ class ServingMessages:
                 case Failed(error=error):
                     # api_error (500), overloaded_error (503: shutting down)
                     out = [typed_event(ErrorResponse.model_validate(error.anthropic_body()))]
-                case _:  # ToolCallDone (its block stops with the next one), HeldLogprobs
+                case _:  # HeldLogprobs: this endpoint streams no logprobs
                     out = []
             for event in out:
                 yield event

@@ -232,6 +232,7 @@ class _Events:
         self.kind: str | None = None  # the open item's: REASONING, TEXT or FUNCTION_CALL
         self.item_id = ""
         self.text = ""
+        self.call_index = -1  # the turn's index of the last function_call item opened
 
     def _event(self, cls: type[BaseModel], etype: str, **fields: Any) -> str:
         event = cls(type=etype, sequence_number=self.sequence, **fields)
@@ -321,12 +322,13 @@ class _Events:
             ),
         ]
 
-    def call_start(self, name: str) -> list[str]:
+    def call_start(self, index: int, name: str) -> list[str]:
         """A function_call item, in progress: its arguments follow as `call_arguments`."""
         events = self.close("completed")
         item = _function_call(name, "", "in_progress")
         self.output.append(item)
         self.kind, self.item_id, self.text = FUNCTION_CALL, item.id, ""
+        self.call_index = index
         added = self._event(
             ResponseOutputItemAddedEvent,
             "response.output_item.added",
@@ -340,6 +342,12 @@ class _Events:
         etype = "response.function_call_arguments.delta"
         where = {"item_id": self.item_id, "output_index": len(self.output) - 1}
         return [self._event(ResponseFunctionCallArgumentsDeltaEvent, etype, delta=text, **where)]
+
+    def call_done(self, index: int) -> list[str]:
+        """Call ``index`` is complete: its item closes, unless the next call's start (in the
+        same DSML envelope) already closed it."""
+        open_call = self.kind == FUNCTION_CALL and self.call_index == index
+        return self.close("completed") if open_call else []
 
     def _close_call(self, status: str) -> list[str]:
         """The open function_call's arguments done, then the item done."""
@@ -513,14 +521,12 @@ class ServingResponses:
         pieces = generate_pieces(self.s, response_id, rendered, params, tracker, tools)
         async for piece in pieces:
             match piece:
-                case ToolCallStart(name=name):
-                    out = events.call_start(name)
+                case ToolCallStart(index=index, name=name):
+                    out = events.call_start(index, name)
                 case ToolArgumentsDelta(text=text):
                     out = events.call_arguments(text)
-                case ToolCallDone():
-                    # Its item closes with the next one or the end: in one DSML envelope the
-                    # next call can start before this one is done.
-                    out = []
+                case ToolCallDone(index=index):
+                    out = events.call_done(index)
                 case ReasoningDelta(text=text):
                     out = events.delta(REASONING, text)
                 case AnswerDelta(text=text):
