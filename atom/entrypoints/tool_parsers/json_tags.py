@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from atom.entrypoints.tool_parsers.base import ToolCall, ToolParseError, ToolParser, member
@@ -35,28 +36,25 @@ def _decided(text: str, pos: int) -> tuple[Any, int] | None:
     return (value, end) if end < len(text) else None
 
 
-def _string_so_far(text: str, pos: int) -> str | None:
-    """The characters of the unfinished JSON string at ``pos`` written so far (None: no string
-    there), short of an escape that is not complete yet, such as a surrogate pair's half."""
-    if not text.startswith('"', pos):
-        return None
-    i, raw = 0, text[pos + 1 :]
-    while i < len(raw) and raw[i] != '"':
-        if raw[i] != "\\":
-            i += 1
-        elif raw.startswith("\\u", i):
-            high = raw[i + 2 : i + 4].lower() in ("d8", "d9", "da", "db")
-            if i + (12 if high else 6) > len(raw):
-                break  # a high surrogate waits for its low half
-            i += 6
-        elif i + 2 > len(raw):
-            break
-        else:
-            i += 2
-    try:
-        return json.loads(f'"{raw[:i]}"')
-    except json.JSONDecodeError:
-        return None  # a raw control character: the string is invalid
+# The decided part of a JSON string's content: whole characters and escapes, a high surrogate's
+# escape only once its low half (six characters) could be there.
+_STRING_PART = re.compile(
+    r'(?:[^"\\]|\\[^u]|\\u(?![dD][89abAB])[0-9a-fA-F]{4}|\\u[dD][89abAB][0-9a-fA-F]{2}(?=[\s\S]{6}))*'
+)
+
+
+@dataclass
+class _Memo:
+    """What a prefix of an envelope's body decides, so that each delta's `progress` reads only
+    new text (a long argument would otherwise be read again at every token): the tool, where
+    the next member starts, the arguments text before it, and of a string value being written
+    there, how far its raw text is read and its member's text so far."""
+
+    prefix: str  # the body read so far
+    name: str
+    pos: int
+    text: str = ""
+    string: tuple[int, str] | None = None
 
 
 def _key(text: str, pos: int) -> tuple[Any, int] | None:
@@ -87,6 +85,12 @@ class JsonTagsParser(ToolParser):
     start = "<tool_call>"
     end = "</tool_call>"
 
+    def __init__(
+        self, tools: Sequence[dict[str, Any]] | None, max_calls: int | None = None
+    ) -> None:
+        super().__init__(tools, max_calls)
+        self._memo: _Memo | None = None
+
     def parse_body(self, body: str) -> list[ToolCall]:
         try:
             call = json.loads(body)
@@ -103,29 +107,42 @@ class JsonTagsParser(ToolParser):
         return [self.known(call["name"], arguments)]
 
     def progress(self, body: str) -> list[tuple[str, str]]:
-        head = _arguments_start(body)
-        if head is None:
-            return []
-        name, pos = head
-        text = ""
+        memo = self._memo
+        if memo is None or not body.startswith(memo.prefix):
+            head = _arguments_start(body)
+            if head is None:
+                return []
+            memo = self._memo = _Memo(body[: head[1]], *head)
         while True:
-            pos = _skip(body, pos)
+            pos = _skip(body, memo.pos)
             if body.startswith("}", pos):
-                return [(name, (text or "{") + "}")]
-            if text:
+                return [(memo.name, (memo.text or "{") + "}")]
+            if memo.text:
                 if not body.startswith(",", pos):
                     break
                 pos += 1
             key = _key(body, pos)
             value = _decided(body, key[1]) if key is not None else None
             if key is None or value is None:
-                written = _string_so_far(body, key[1]) if key is not None else None
-                if written is not None:  # the member so far, short of the closing quote
-                    text += member(not text, key[0], written)[:-1]
-                break
-            text += member(not text, key[0], value[0])
-            pos = value[1]
-        return [(name, text or "{")]
+                return [(memo.name, self._string_member(memo, body, key) or "{")]
+            memo.text += member(not memo.text, key[0], value[0])
+            memo.pos, memo.string, memo.prefix = value[1], None, body[: value[1]]
+        return [(memo.name, memo.text or "{")]
+
+    @staticmethod
+    def _string_member(memo: _Memo, body: str, key: tuple[Any, int] | None) -> str:
+        """The arguments text with the string value being written at ``key`` so far (its
+        member short of the closing quote); without one, the text of the complete members."""
+        if key is None or not body.startswith('"', key[1]):
+            return memo.text
+        read, text = memo.string or (key[1] + 1, memo.text + member(not memo.text, key[0], "")[:-1])
+        part = _STRING_PART.match(body, read)
+        try:
+            written = json.dumps(json.loads(f'"{part.group()}"'), ensure_ascii=False)[1:-1]
+        except json.JSONDecodeError:
+            return text  # a raw control character: the string is invalid, nothing more streams
+        memo.string, memo.prefix = (part.end(), text + written), body[: part.end()]
+        return memo.string[1]
 
     def render_calls(self, calls: Sequence[ToolCall]) -> str:
         return "\n".join(
