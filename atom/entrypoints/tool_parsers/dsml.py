@@ -34,6 +34,7 @@ INVOKE_START = re.compile(rf'\s*<{DSML}invoke name="([^"]*)">')
 INVOKE_END = re.compile(rf"\s*</{DSML}invoke>\s*")
 PARAMETER_START = re.compile(rf'\s*<{DSML}parameter name="([^"]*)" string="(true|false)">')
 PARAMETER_END = f"</{DSML}parameter>"
+_SPACE = re.compile(r"\s*")
 PARAMETER = re.compile(
     rf'\s*<{DSML}parameter name="([^"]*)" string="(true|false)">(.*?)</{DSML}parameter>\s*',
     re.DOTALL,
@@ -83,6 +84,14 @@ class DsmlParser(ToolParser):
     start = f"<{DSML}tool_calls>"
     end = f"</{DSML}tool_calls>"
 
+    def __init__(
+        self, tools: Sequence[dict[str, Any]] | None, max_calls: int | None = None
+    ) -> None:
+        super().__init__(tools, max_calls)
+        # The raw value being written (where it starts, its text so far and that text's JSON
+        # encoding), so that each delta encodes only new text.
+        self._raw: tuple[int, str, str] = (-1, "", "")
+
     def parse_body(self, body: str) -> list[ToolCall]:
         calls = []
         for invoke in _whole(INVOKE, body):
@@ -113,21 +122,29 @@ class DsmlParser(ToolParser):
     def _parameters(self, name: str, body: str, pos: int) -> tuple[str, int]:
         """The arguments text of an invoke's parameters written from ``pos`` on (a raw text
         value that is still being written included, short of its closing quote), and where the
-        complete ones end."""
+        complete ones end. Read as ``PARAMETER`` reads them."""
         props = self.tools.get(name, {}).get("properties", {})
         text = ""
-        while param := PARAMETER.match(body, pos):
-            key, is_string = param.group(1), param.group(2) == "true"
+        while opened := PARAMETER_START.match(body, pos):
+            key, is_string, start = opened.group(1), opened.group(2) == "true", opened.end()
+            at, raw, encoded = self._raw
+            if at != start or not body.startswith(raw, start):
+                raw, encoded = "", ""
+            close = body.find(PARAMETER_END, start + len(raw))
+            if close < 0:
+                if _is_raw(is_string, props.get(key)):
+                    more = body[start + len(raw) :]
+                    more = more[: len(more) - partial_suffix_len(more, (PARAMETER_END,))]
+                    encoded += json.dumps(more, ensure_ascii=False)[1:-1]
+                    self._raw = (start, raw + more, encoded)
+                    text += member(not text, key, "")[:-1] + encoded
+                break
             try:
-                text += member(not text, key, coerce(param.group(3), is_string, props.get(key)))
+                value = coerce(body[start:close], is_string, props.get(key))
             except ToolParseError:
-                return text, pos
-            pos = param.end()
-        opened = PARAMETER_START.match(body, pos)
-        if opened and _is_raw(opened.group(2) == "true", props.get(opened.group(1))):
-            raw = body[opened.end() :]
-            raw = raw[: len(raw) - partial_suffix_len(raw, (PARAMETER_END,))]
-            text += member(not text, opened.group(1), raw)[:-1]
+                break
+            text += member(not text, key, value)
+            pos = _SPACE.match(body, close + len(PARAMETER_END)).end()  # type: ignore[union-attr]
         return text, pos
 
     def render_calls(self, calls: Sequence[ToolCall]) -> str:

@@ -122,7 +122,9 @@ class JsonTagsParser(ToolParser):
                     break
                 pos += 1
             key = _key(body, pos)
-            value = _decided(body, key[1]) if key is not None else None
+            # A string being written is not decided before a quote follows what is read of it.
+            unclosed = memo.string is not None and body.find('"', memo.string[0]) < 0
+            value = _decided(body, key[1]) if key is not None and not unclosed else None
             if key is None or value is None:
                 return [(memo.name, self._string_member(memo, body, key) or "{")]
             memo.text += member(not memo.text, key[0], value[0])
