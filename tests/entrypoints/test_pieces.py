@@ -198,9 +198,18 @@ def test_a_call_streams_its_start_fragments_then_itself(tokenizer_and_config):
     assert done.tool_calls == (ToolCall("get_weather", arguments),) and done.answer == "Hi  ok"
 
 
-def test_a_call_cut_off_after_its_start_fails_the_turn(tokenizer_and_config):
+def test_a_call_cut_off_after_its_start_ends_as_written_or_fails_the_turn(
+    tokenizer_and_config,
+):
+    """By the output cap: a "length" answer with the call as far as it was written; by the
+    model's end of output: the turn fails."""
     pieces, _ = run(tokenizer_and_config, outputs(*CALL, reason="length"), tools=AUTO)
     assert isinstance(pieces[1], ToolCallStart)
+    done = pieces[-1]
+    assert isinstance(done, Finished) and done.finish_reason == "length"
+    (call,) = done.tool_calls
+    assert call.arguments == '{"city": "Paris"' and "ended inside" in call.error
+    pieces, _ = run(tokenizer_and_config, outputs(*CALL, reason="stop"), tools=AUTO)
     failed = pieces[-1]
     assert isinstance(failed, Failed) and failed.error.code == "tool_call_error"
     assert "'get_weather'" in failed.error.message and "ended inside" in failed.error.message

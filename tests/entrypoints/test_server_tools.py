@@ -142,6 +142,29 @@ def test_chat_arguments_stream_in_fragments_as_openai_sends_them(client, model_i
     )
 
 
+def test_chat_call_cut_off_by_max_tokens_ends_as_written(client, model_id):
+    """Its start and fragments were streamed, so the cap leaves it as far as it was written:
+    finish_reason "length", streamed or not alike."""
+    kw = dict(model=model_id, messages=ASK, tools=TOOLS, tool_choice=NAMED, temperature=0)
+    whole = client.chat.completions.create(**kw, max_tokens=60)
+    (whole_call,) = whole.choices[0].message.tool_calls
+    # Inside the arguments: the grammar's envelope takes about the first half of the tokens, the
+    # arguments up to the last fifth (the closing braces and tag the rest).
+    cap = whole.usage.completion_tokens * 3 // 5
+    cut = client.chat.completions.create(**kw, max_tokens=cap).choices[0]
+    (call,) = cut.message.tool_calls
+    assert cut.finish_reason == "length" and call.function.name == "get_weather"
+    partial = call.function.arguments
+    assert partial != whole_call.function.arguments
+    assert whole_call.function.arguments.startswith(partial)
+    # (The SDK's stream helper raises LengthFinishReasonError here: the chunks are read raw.)
+    chunks = list(client.chat.completions.create(**kw, max_tokens=cap, stream=True))
+    deltas = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or ()]
+    assert chunks[-1].choices[0].finish_reason == "length" and len(deltas) > 1
+    assert {d.index for d in deltas} == {0}
+    assert "".join(d.function.arguments for d in deltas) == partial
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

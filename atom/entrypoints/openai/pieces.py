@@ -183,14 +183,16 @@ async def settle(
     calls: Sequence[ToolCall] = (),
 ) -> Finished | Failed:
     """The outcome of a finished request whose visible answer is `answer` (beside `calls`):
-    an engine error (or an abort) fails, so does a broken tool call; a constrained answer or
-    tool turn must pass the final check to succeed."""
+    an engine error (or an abort) fails, so does a broken tool call (unless the output cap cut
+    it); a constrained answer or tool turn must pass the final check to succeed."""
     if final.finish_reason == "abort" and serving.drain.expired:
         return Failed(serving.drain.error())  # ended by the drain's timeout (SIGTERM)
     if final.finish_reason not in _SUCCESS:
         return Failed(generation_error(final.error))
+    # A broken call was streamed, so it cannot become text; cut off by the output cap, it stays
+    # in the answer as far as it was written ("length").
     broken = next((call for call in calls if call.error is not None), None)
-    if broken is not None:  # its start and arguments were streamed: it cannot become text
+    if broken is not None and final.finish_reason != "length":
         message = f"the tool call of {broken.name!r} is broken: {broken.error}"
         return Failed(APIError(message, status=500, code="tool_call_error"))
     spec = params.structured_output

@@ -149,9 +149,9 @@ def _stop(done: Finished) -> dict[str, Any]:
 
 
 def _tool_use(call: ToolCall) -> ToolUseBlock:
-    return ToolUseBlock(
-        type="tool_use", id=random_id("toolu_"), name=call.name, input=json.loads(call.arguments)
-    )
+    """A call's block; one cut off by max_tokens has no input (its JSON is unfinished)."""
+    arguments = json.loads(call.arguments) if call.error is None else {}
+    return ToolUseBlock(type="tool_use", id=random_id("toolu_"), name=call.name, input=arguments)
 
 
 class _Blocks:

@@ -499,7 +499,9 @@ class ServingResponses:
             output.append(_reasoning_item(random_id("rs_"), done.reasoning, ending["status"]))
         if done.answer.strip() or not done.tool_calls:
             output.append(_message_item(random_id("msg_"), done.answer, ending["status"]))
-        output.extend(_function_call(c.name, c.arguments, "completed") for c in done.tool_calls)
+        for call in done.tool_calls:  # one cut off by the output cap is incomplete
+            status = "completed" if call.error is None else "incomplete"
+            output.append(_function_call(call.name, call.arguments, status))
         finished = {"output": output, "completed_at": int(time.time()), "usage": _usage(done)}
         return wire(base.model_copy(update={**ending, **finished}))
 
