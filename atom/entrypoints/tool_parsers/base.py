@@ -82,8 +82,9 @@ class _Open:
 class ToolParser(ABC):
     """Parses one response. ``feed`` returns the items decided so far, in order; ``finish``
     flushes what is held (an envelope left open is visible text, unless a call of it was
-    committed). ``text`` and ``calls`` accumulate the visible text and the complete calls. With
-    ``max_calls`` (``parallel_tool_calls=false``: 1), an envelope beyond it stays text."""
+    committed). ``text`` and ``calls`` accumulate the visible text and the ended calls (a broken
+    one with its ``error``). With ``max_calls`` (``parallel_tool_calls=false``: 1), an envelope
+    beyond it stays text."""
 
     name: str = ""
     start: str = ""  # the envelope's opening marker
