@@ -1,5 +1,6 @@
 """The stream skeleton every endpoint formats: reasoning and answer deltas in order, logprobs on
-the first delta of each engine step, then exactly one outcome. Runs a real `ServingContext` on
+the first delta of each engine step, tool calls streamed (start, argument fragments, done), then
+exactly one outcome. Runs a real `ServingContext` on
 a scripted engine (any `EngineClient` will do), with the SmolLM2 tokenizer."""
 
 from __future__ import annotations
@@ -17,9 +18,14 @@ from atom.entrypoints.openai.pieces import (
     Finished,
     HeldLogprobs,
     ReasoningDelta,
+    ToolArgumentsDelta,
+    ToolCallDone,
+    ToolCallStart,
     generate_pieces,
 )
 from atom.entrypoints.openai.serving_engine import RenderedPrompt, ServingContext
+from atom.entrypoints.openai.tool_calls import FunctionTool, ToolRequest
+from atom.entrypoints.tool_parsers import ToolCall
 from atom.model_engine.output import EngineStats, RequestOutput, TokenLogprob
 from atom.sampling_params import SamplingParams
 
@@ -90,7 +96,15 @@ def tokenizer_and_config(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir), AutoConfig.from_pretrained(smollm2_dir)
 
 
-def run(tokenizer_and_config, script, *, adapter="generic", in_reasoning=False, logprobs=None):
+def run(
+    tokenizer_and_config,
+    script,
+    *,
+    adapter="generic",
+    in_reasoning=False,
+    logprobs=None,
+    tools=None,
+):
     engine = ScriptedEngine(*tokenizer_and_config, script)
     assert isinstance(engine, EngineClient)
     serving = ServingContext(engine, ServerConfig(model_adapter=adapter))
@@ -99,7 +113,8 @@ def run(tokenizer_and_config, script, *, adapter="generic", in_reasoning=False, 
 
     async def collect():
         tracker = serving.metrics.tracker("chat")
-        return [p async for p in generate_pieces(serving, "r", rendered, params, tracker)]
+        pieces = generate_pieces(serving, "r", rendered, params, tracker, tools)
+        return [p async for p in pieces]
 
     return asyncio.run(collect()), engine
 
@@ -158,3 +173,43 @@ def test_errors_mid_stream_end_it_with_failed_and_abort_the_request(tokenizer_an
     pieces, _ = run(tokenizer_and_config, [RuntimeError("boom")])
     assert len(pieces) == 1 and pieces[0].error.code == "internal_error"
     assert "boom" in pieces[0].error.message
+
+
+WEATHER = FunctionTool("get_weather", None, {"type": "object"}, False, "tools[0]")
+AUTO = ToolRequest("json-tags", (WEATHER,), "auto", None, True, "tool_choice")
+CALL = ["Hi <tool", '_call>{"name": "get_weather", "arguments": {"city": "Pa', 'ris", "days": 3']
+
+
+def test_a_call_streams_its_start_fragments_then_itself(tokenizer_and_config):
+    script = outputs(*CALL, "}}</tool_call>", " ok")
+    pieces, _ = run(tokenizer_and_config, script, tools=AUTO)
+    arguments = '{"city": "Paris", "days": 3}'
+    assert pieces[:-1] == [
+        AnswerDelta("Hi "),
+        ToolCallStart(0, "get_weather"),
+        ToolArgumentsDelta(0, '{"city": "Pa'),
+        ToolArgumentsDelta(0, 'ris"'),
+        ToolArgumentsDelta(0, ', "days": 3}'),
+        ToolCallDone(0, ToolCall("get_weather", arguments)),
+        AnswerDelta(" ok"),
+    ]
+    done = pieces[-1]
+    assert isinstance(done, Finished) and done.finish_reason == "tool_calls"
+    assert done.tool_calls == (ToolCall("get_weather", arguments),) and done.answer == "Hi  ok"
+
+
+def test_a_call_cut_off_after_its_start_ends_as_written_or_fails_the_turn(
+    tokenizer_and_config,
+):
+    """By the output cap: a "length" answer with the call as far as it was written; by the
+    model's end of output: the turn fails."""
+    pieces, _ = run(tokenizer_and_config, outputs(*CALL, reason="length"), tools=AUTO)
+    assert isinstance(pieces[1], ToolCallStart)
+    done = pieces[-1]
+    assert isinstance(done, Finished) and done.finish_reason == "length"
+    (call,) = done.tool_calls
+    assert call.arguments == '{"city": "Paris"' and "ended inside" in call.error
+    pieces, _ = run(tokenizer_and_config, outputs(*CALL, reason="stop"), tools=AUTO)
+    failed = pieces[-1]
+    assert isinstance(failed, Failed) and failed.error.code == "tool_call_error"
+    assert "'get_weather'" in failed.error.message and "ended inside" in failed.error.message

@@ -114,6 +114,57 @@ def test_chat_stream_accumulates_as_the_sdk_reads_it(client, model_id):
     _check_weather_args(call.function.arguments)
 
 
+def test_chat_arguments_stream_in_fragments_as_openai_sends_them(client, model_id):
+    """The first delta of a call has its id, type, name and empty arguments; the others carry
+    argument fragments only. The SDK's accumulated stream is the non-streamed call."""
+    kw = dict(
+        model=model_id, messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=60, temperature=0
+    )
+    (full,) = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    deltas = [
+        tc
+        for chunk in client.chat.completions.create(**kw, stream=True)
+        for tc in chunk.choices[0].delta.tool_calls or ()
+    ]
+    head, *rest = deltas
+    assert head.index == 0 and head.id and head.type == "function"
+    assert (head.function.name, head.function.arguments) == ("get_weather", "")
+    assert len(rest) > 1
+    assert all(d.index == 0 and d.id is d.type is d.function.name is None for d in rest)
+    assert "".join(d.function.arguments for d in rest) == full.function.arguments
+    with client.chat.completions.stream(**kw) as stream:
+        fragments = [e.arguments_delta for e in stream if e.type.endswith("arguments.delta")]
+        (call,) = stream.get_final_completion().choices[0].message.tool_calls
+    assert len(fragments) > 1 and "".join(fragments) == call.function.arguments
+    assert (call.function.name, call.function.arguments) == (
+        full.function.name,
+        full.function.arguments,
+    )
+
+
+def test_chat_call_cut_off_by_max_tokens_ends_as_written(client, model_id):
+    """Its start and fragments were streamed, so the cap leaves it as far as it was written:
+    finish_reason "length", streamed or not alike."""
+    kw = dict(model=model_id, messages=ASK, tools=TOOLS, tool_choice=NAMED, temperature=0)
+    whole = client.chat.completions.create(**kw, max_tokens=60)
+    (whole_call,) = whole.choices[0].message.tool_calls
+    # Inside the arguments: the grammar's envelope takes about the first half of the tokens, the
+    # arguments up to the last fifth (the closing braces and tag the rest).
+    cap = whole.usage.completion_tokens * 3 // 5
+    cut = client.chat.completions.create(**kw, max_tokens=cap).choices[0]
+    (call,) = cut.message.tool_calls
+    assert cut.finish_reason == "length" and call.function.name == "get_weather"
+    partial = call.function.arguments
+    assert partial != whole_call.function.arguments
+    assert whole_call.function.arguments.startswith(partial)
+    # (The SDK's stream helper raises LengthFinishReasonError here: the chunks are read raw.)
+    chunks = list(client.chat.completions.create(**kw, max_tokens=cap, stream=True))
+    deltas = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or ()]
+    assert chunks[-1].choices[0].finish_reason == "length" and len(deltas) > 1
+    assert {d.index for d in deltas} == {0}
+    assert "".join(d.function.arguments for d in deltas) == partial
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -234,6 +285,39 @@ def test_messages_stream_sends_input_json_deltas(anthropic_client, model_id):
         _check_weather_args(json.dumps(use.input))
 
 
+def test_messages_input_streams_in_json_fragments(anthropic_client, model_id):
+    """A tool_use block starts with an empty input; several input_json_delta fragments follow;
+    the SDK's final message is the non-streamed one."""
+    kw = dict(
+        model=model_id,
+        max_tokens=60,
+        messages=ASK,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body={"temperature": 0},  # this SDK's Messages methods take no temperature
+    )
+    full = anthropic_client.messages.create(**kw)
+    with anthropic_client.messages.stream(**kw) as stream:
+        events = list(stream)
+        message = stream.get_final_message()
+    start = next(e for e in events if e.type == "content_block_start")
+    assert start.content_block.type == "tool_use" and start.content_block.input == {}
+    fragments = [e.partial_json for e in events if e.type == "input_json"]
+    assert len(fragments) > 1
+    assert [e.type for e in events][-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    (use,) = message.content
+    (expected,) = full.content
+    assert json.loads("".join(fragments)) == use.input == expected.input
+    assert (
+        (use.name, message.stop_reason)
+        == (expected.name, full.stop_reason)
+        == (
+            "get_weather",
+            "tool_use",
+        )
+    )
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -255,17 +339,17 @@ RESPONSES_TOOLS = [
     {"type": "function", "name": "get_time", "parameters": {"type": "object"}, "strict": False},
 ]
 NAMED_RESPONSES = {"type": "function", "name": "get_weather"}
+FORCED_RESPONSES = {  # a deterministic call of get_weather
+    "input": ASK,
+    "tools": RESPONSES_TOOLS,
+    "tool_choice": NAMED_RESPONSES,
+    "max_output_tokens": 60,
+    "temperature": 0,
+}
 
 
 def test_responses_tool_loop(client, model_id, wait_idle):
-    r = client.responses.create(
-        model=model_id,
-        input=ASK,
-        tools=RESPONSES_TOOLS,
-        tool_choice=NAMED_RESPONSES,
-        max_output_tokens=60,
-        temperature=0,
-    )
+    r = client.responses.create(model=model_id, **FORCED_RESPONSES)
     assert r.status == "completed"
     assert [item.type for item in r.output] == ["function_call"]
     call = r.output[0]
@@ -357,3 +441,28 @@ def test_responses_custom_and_tool_search_are_400_naming_the_field(server, model
     r = httpx.post(f"{server.url}/v1/responses", json=payload, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith(param), r.text
+
+
+def test_responses_arguments_stream_in_deltas(client, model_id):
+    """output_item.added (in progress, empty arguments), several arguments deltas, then
+    arguments.done and output_item.done; the SDK's final response is the non-streamed one."""
+    kw = dict(model=model_id, **FORCED_RESPONSES)
+    (full,) = client.responses.create(**kw).output
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events if e.type.startswith(("response.output_item", "response.f"))]
+    deltas = kinds.count("response.function_call_arguments.delta")
+    assert deltas > 1
+    assert kinds == [
+        "response.output_item.added",
+        *["response.function_call_arguments.delta"] * deltas,
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+    ]
+    added = next(e for e in events if e.type == "response.output_item.added").item
+    assert (added.arguments, added.status) == ("", "in_progress")
+    fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (call,) = final.output
+    assert "".join(fragments) == call.arguments == full.arguments
+    assert (call.name, call.status, call.id) == (full.name, "completed", added.id)

@@ -82,21 +82,26 @@ def test_required_call_is_a_valid_dsml_envelope(openai_client, model_id, seed):
 
 
 def test_streamed_call_deltas(openai_client, model_id):
-    stream = openai_client.chat.completions.create(
+    """DSML arguments stream in fragments (raw text as it is written, other values whole);
+    joined, they are the non-streamed call's (same seed)."""
+    kw = dict(
         model=model_id,
         messages=ASK,
         tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         max_tokens=120,
-        stream=True,
+        seed=0,
     )
-    arguments, finish = "", None
-    for chunk in stream:
+    (full,) = openai_client.chat.completions.create(**kw).choices[0].message.tool_calls
+    fragments, finish = [], None
+    for chunk in openai_client.chat.completions.create(**kw, stream=True):
         for tc in chunk.choices[0].delta.tool_calls or ():
-            arguments += tc.function.arguments or ""
+            fragments.append(tc.function.arguments)
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
-    _valid_weather(arguments)
+    assert fragments[0] == "" and len(fragments) > 2  # the head, then at least one per parameter
+    assert "".join(fragments) == full.function.arguments
+    _valid_weather(full.function.arguments)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])

@@ -23,7 +23,7 @@ from atom.entrypoints.openai.serving_engine import (
 )
 from atom.entrypoints.openai.tool_calls import check_tool_turn
 from atom.entrypoints.reasoning import REASONING, TEXT, ReasoningParser
-from atom.entrypoints.tool_parsers import ToolCall, ToolParser
+from atom.entrypoints.tool_parsers import ArgumentsDelta, CallStart, Item, ToolCall, ToolParser
 from atom.model_engine.output import RequestOutput, TokenLogprob
 from atom.sampling_params import SamplingParams
 
@@ -52,9 +52,30 @@ class AnswerDelta:
 
 
 @dataclass(frozen=True)
-class ToolCallDelta:
-    """A complete tool call (the ``index``-th of the turn), once its envelope has closed;
-    provisional like answer text. ``logprobs`` as on `ReasoningDelta`."""
+class ToolCallStart:
+    """The ``index``-th tool call of the turn has begun: its tool is ``name``; its arguments
+    follow as `ToolArgumentsDelta` fragments. Provisional like answer text. ``logprobs`` as on
+    `ReasoningDelta` (so on the other tool pieces)."""
+
+    index: int
+    name: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class ToolArgumentsDelta:
+    """The next fragment of the arguments of call ``index`` (the fragments of a call
+    concatenate to its final arguments)."""
+
+    index: int
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class ToolCallDone:
+    """The complete call ``index``, once its envelope has closed (all its fragments came
+    before it)."""
 
     index: int
     call: ToolCall
@@ -90,7 +111,9 @@ class Failed:
     error: APIError
 
 
-Delta = ReasoningDelta | AnswerDelta | ToolCallDelta | HeldLogprobs
+Delta = (
+    ReasoningDelta | AnswerDelta | ToolCallStart | ToolArgumentsDelta | ToolCallDone | HeldLogprobs
+)
 Piece = Delta | Finished | Failed
 
 
@@ -100,12 +123,12 @@ _SUCCESS = (None, "stop", "length")
 
 def _items(
     texts: list[tuple[str, str]], tools: ToolParser | None, finished: bool
-) -> list[tuple[str, str | ToolCall]]:
-    """(channel, text or tool call) in order: answer text goes through the tool parser, which
-    is flushed with the last step."""
+) -> list[tuple[str, Item]]:
+    """(channel, text or tool call item) in order: answer text goes through the tool parser,
+    which is flushed with the last step."""
     if tools is None:
         return list(texts)
-    items: list[tuple[str, str | ToolCall]] = []
+    items: list[tuple[str, Item]] = []
     for channel, text in texts:
         if channel == REASONING:
             items.append((channel, text))
@@ -129,16 +152,21 @@ def _deltas(
         texts = parser.feed(out.delta_text)
         if out.finished:
             texts += parser.finish()
-    calls_before = len(tools.calls) if tools is not None else 0
+    done = len(tools.calls) if tools is not None else 0  # calls completed before this step
     logprobs = (out.logprobs or []) if with_logprobs else None
     deltas: list[Delta] = []
     for channel, item in _items(texts, tools, out.finished):
-        if isinstance(item, ToolCall):
-            deltas.append(ToolCallDelta(calls_before, item, logprobs))
-            calls_before += 1
-        else:
-            kind = ReasoningDelta if channel == REASONING else AnswerDelta
-            deltas.append(kind(item, logprobs))
+        match item:
+            case CallStart(index=index, name=name):
+                deltas.append(ToolCallStart(index, name, logprobs))
+            case ArgumentsDelta(index=index, text=text):
+                deltas.append(ToolArgumentsDelta(index, text, logprobs))
+            case ToolCall():
+                deltas.append(ToolCallDone(done, item, logprobs))
+                done += 1
+            case str():
+                kind = ReasoningDelta if channel == REASONING else AnswerDelta
+                deltas.append(kind(item, logprobs))
         logprobs = None
     if logprobs:
         deltas.append(HeldLogprobs(logprobs))
@@ -155,12 +183,18 @@ async def settle(
     calls: Sequence[ToolCall] = (),
 ) -> Finished | Failed:
     """The outcome of a finished request whose visible answer is `answer` (beside `calls`):
-    an engine error (or an abort) fails; a constrained answer or tool turn must pass the final
-    check to succeed."""
+    an engine error (or an abort) fails, so does a broken tool call (unless the output cap cut
+    it); a constrained answer or tool turn must pass the final check to succeed."""
     if final.finish_reason == "abort" and serving.drain.expired:
         return Failed(serving.drain.error())  # ended by the drain's timeout (SIGTERM)
     if final.finish_reason not in _SUCCESS:
         return Failed(generation_error(final.error))
+    # A broken call was streamed, so it cannot become text; cut off by the output cap, it stays
+    # in the answer as far as it was written ("length").
+    broken = next((call for call in calls if call.error is not None), None)
+    if broken is not None and final.finish_reason != "length":
+        message = f"the tool call of {broken.name!r} is broken: {broken.error}"
+        return Failed(APIError(message, status=500, code="tool_call_error"))
     spec = params.structured_output
     if spec is not None and spec.tools is not None and final.finish_reason != "length":
         invalid = await check_tool_turn(serving, spec, answer, calls)

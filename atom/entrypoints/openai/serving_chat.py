@@ -39,7 +39,9 @@ from atom.entrypoints.openai.pieces import (
     HeldLogprobs,
     Piece,
     ReasoningDelta,
-    ToolCallDelta,
+    ToolArgumentsDelta,
+    ToolCallDone,
+    ToolCallStart,
     settle,
     split_output,
 )
@@ -169,18 +171,12 @@ def _tool_call(call_id: str, call: ToolCall) -> ChatCompletionMessageToolCall:
     )
 
 
-def _tool_call_deltas(index: int, call_id: str, call: ToolCall) -> list[ChoiceDelta]:
-    """A call as stream deltas: its id and name, then its arguments."""
-    head = ChoiceDeltaToolCall(
-        index=index,
-        id=call_id,
-        type="function",
-        function=ChoiceDeltaToolCallFunction(name=call.name, arguments=""),
-    )
-    arguments = ChoiceDeltaToolCall(
-        index=index, function=ChoiceDeltaToolCallFunction(arguments=call.arguments)
-    )
-    return [ChoiceDelta(tool_calls=[head]), ChoiceDelta(tool_calls=[arguments])]
+def _tool_call_delta(index: int, **fields: Any) -> ChoiceDelta:
+    """A stream delta of call ``index``: the first has its id, type and name (arguments ""),
+    the others an arguments fragment only, as OpenAI streams them."""
+    head = {"id": random_id("call_"), "type": "function"} if "name" in fields else {}
+    function = ChoiceDeltaToolCallFunction(**fields)
+    return ChoiceDelta(tool_calls=[ChoiceDeltaToolCall(index=index, function=function, **head)])
 
 
 def _stop_reason(done: Finished) -> dict[str, str]:
@@ -378,18 +374,20 @@ class ServingChat:
     ) -> list[ChatCompletionChunk]:
         """The chunks of one non-failed piece of choice `index`."""
         match piece:
-            case ToolCallDelta(index=call_index, call=call, logprobs=logprobs):
-                deltas = _tool_call_deltas(call_index, random_id("call_"), call)
-                head = chunks.delta(index, deltas[0], self._logprobs(logprobs, top))
-                return [head] + [chunks.delta(index, delta) for delta in deltas[1:]]
+            case ToolCallStart(index=call_index, name=name, logprobs=logprobs):
+                delta = _tool_call_delta(call_index, name=name, arguments="")
+                return [chunks.delta(index, delta, self._logprobs(logprobs, top))]
+            case ToolArgumentsDelta(index=call_index, text=text, logprobs=logprobs):
+                delta = _tool_call_delta(call_index, arguments=text)
+                return [chunks.delta(index, delta, self._logprobs(logprobs, top))]
+            case ToolCallDone(logprobs=logprobs) | HeldLogprobs(logprobs=logprobs) if logprobs:
+                return [chunks.delta(index, ChoiceDelta(), self._logprobs(logprobs, top))]
             case ReasoningDelta(text=text, logprobs=logprobs):
                 delta = ChoiceDelta(reasoning_content=text)
                 return [chunks.delta(index, delta, self._logprobs(logprobs, top))]
             case AnswerDelta(text=text, logprobs=logprobs):
                 delta = ChoiceDelta(content=text)
                 return [chunks.delta(index, delta, self._logprobs(logprobs, top))]
-            case HeldLogprobs(logprobs=logprobs):
-                return [chunks.delta(index, ChoiceDelta(), self._logprobs(logprobs, top))]
             case Finished():
                 return [chunks.finish(index, piece)]
         return []

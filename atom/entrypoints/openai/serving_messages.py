@@ -34,7 +34,9 @@ from atom.entrypoints.openai.pieces import (
     Failed,
     Finished,
     ReasoningDelta,
-    ToolCallDelta,
+    ToolArgumentsDelta,
+    ToolCallDone,
+    ToolCallStart,
     generate_pieces,
     settle,
     split_output,
@@ -147,9 +149,9 @@ def _stop(done: Finished) -> dict[str, Any]:
 
 
 def _tool_use(call: ToolCall) -> ToolUseBlock:
-    return ToolUseBlock(
-        type="tool_use", id=random_id("toolu_"), name=call.name, input=json.loads(call.arguments)
-    )
+    """A call's block; one cut off by max_tokens has no input (its JSON is unfinished)."""
+    arguments = json.loads(call.arguments) if call.error is None else {}
+    return ToolUseBlock(type="tool_use", id=random_id("toolu_"), name=call.name, input=arguments)
 
 
 class _Blocks:
@@ -161,17 +163,31 @@ class _Blocks:
         self.kind: str | None = None  # channel of the open block: REASONING, TEXT or TOOL_USE
         self.text_opened = False
         self.tool_used = False
+        self.tool_index = -1  # the turn's index of the last tool_use block opened
 
-    def tool(self, call: ToolCall) -> list[str]:
-        """A tool_use block: its start (empty input), its arguments as one JSON delta."""
-        block = _tool_use(call).model_copy(update={"input": {}})
+    def tool_start(self, index: int, name: str) -> list[str]:
+        """A tool_use block's start (empty input); its arguments follow as `tool_arguments`."""
+        block = ToolUseBlock(type="tool_use", id=random_id("toolu_"), name=name, input={})
+        events = self._open(TOOL_USE)
+        self.tool_index = index
         start = RawContentBlockStartEvent(
-            type="content_block_start", index=self.index + 1, content_block=block
+            type="content_block_start", index=self.index, content_block=block
         )
-        events = [*self._open(TOOL_USE), typed_event(start)]
-        delta = InputJSONDelta(type="input_json_delta", partial_json=call.arguments)
+        return [*events, typed_event(start)]
+
+    def tool_arguments(self, text: str) -> list[str]:
+        """A fragment of the open tool_use block's input, as JSON text."""
+        delta = InputJSONDelta(type="input_json_delta", partial_json=text)
         event = RawContentBlockDeltaEvent(type="content_block_delta", index=self.index, delta=delta)
-        return [*events, typed_event(event)]
+        return [typed_event(event)]
+
+    def tool_done(self, index: int) -> list[str]:
+        """Call ``index`` is complete: its block stops, unless the next call's start (in the
+        same DSML envelope) already stopped it."""
+        if self.kind != TOOL_USE or self.tool_index != index:
+            return []
+        self.kind = None
+        return [typed_event(self._stop_event())]
 
     def _open(self, kind: str) -> list[str]:
         events = []
@@ -208,6 +224,8 @@ class _Blocks:
 
     def finish(self, done: Finished) -> list[str]:
         events = [] if self.text_opened or self.tool_used else self._open(TEXT)
+        if self.kind is not None:
+            events.append(typed_event(self._stop_event()))
         message_delta = RawMessageDeltaEvent(
             type="message_delta",
             delta=Delta(**_stop(done)),
@@ -215,7 +233,6 @@ class _Blocks:
         )
         return [
             *events,
-            typed_event(self._stop_event()),
             typed_event(message_delta),
             typed_event(RawMessageStopEvent(type="message_stop")),
         ]
@@ -324,8 +341,12 @@ class ServingMessages:
         pieces = generate_pieces(self.s, message_id, rendered, params, tracker, tools)
         async for piece in pieces:
             match piece:
-                case ToolCallDelta(call=call):
-                    out = blocks.tool(call)
+                case ToolCallStart(index=index, name=name):
+                    out = blocks.tool_start(index, name)
+                case ToolArgumentsDelta(text=text):
+                    out = blocks.tool_arguments(text)
+                case ToolCallDone(index=index):
+                    out = blocks.tool_done(index)
                 case ReasoningDelta(text=text):
                     out = blocks.delta(REASONING, text)
                 case AnswerDelta(text=text):

@@ -43,7 +43,9 @@ from atom.entrypoints.openai.pieces import (
     Failed,
     Finished,
     ReasoningDelta,
-    ToolCallDelta,
+    ToolArgumentsDelta,
+    ToolCallDone,
+    ToolCallStart,
     generate_pieces,
     settle,
     split_output,
@@ -66,10 +68,10 @@ from atom.entrypoints.openai.serving_engine import (
 from atom.entrypoints.openai.sse import SSEResponse, typed_event, wire
 from atom.entrypoints.openai.tool_calls import ToolRequest, preflight, read_tools
 from atom.entrypoints.reasoning import REASONING, TEXT
-from atom.entrypoints.tool_parsers import ToolCall
 from atom.model_engine.output import RequestOutput
 from atom.sampling_params import SamplingParams
 
+FUNCTION_CALL = "function_call"  # the kind of an open function_call item
 _TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
 
 
@@ -152,15 +154,15 @@ class ServedResponse(Response):
 OutputItem = ResponseReasoningItem | ResponseOutputMessage | ResponseFunctionToolCall
 
 
-def _function_call(call: ToolCall, arguments: str | None = None) -> ResponseFunctionToolCall:
-    """A function_call item (``arguments`` instead of the call's while it streams)."""
+def _function_call(name: str, arguments: str, status: str) -> ResponseFunctionToolCall:
+    """A function_call item (a streamed one starts with empty arguments, in progress)."""
     return ResponseFunctionToolCall(
         type="function_call",
         id=random_id("fc_"),
         call_id=random_id("call_"),
-        name=call.name,
-        arguments=call.arguments if arguments is None else arguments,
-        status="completed" if arguments is None else "in_progress",
+        name=name,
+        arguments=arguments,
+        status=status,
     )
 
 
@@ -227,9 +229,10 @@ class _Events:
         self.base = base
         self.sequence = 0
         self.output: list[OutputItem] = []
-        self.kind: str | None = None  # channel of the open item: REASONING or TEXT
+        self.kind: str | None = None  # the open item's: REASONING, TEXT or FUNCTION_CALL
         self.item_id = ""
         self.text = ""
+        self.call_index = -1  # the turn's index of the last function_call item opened
 
     def _event(self, cls: type[BaseModel], etype: str, **fields: Any) -> str:
         event = cls(type=etype, sequence_number=self.sequence, **fields)
@@ -291,6 +294,8 @@ class _Events:
     def close(self, status: str) -> list[str]:
         if self.kind is None:
             return []
+        if self.kind == FUNCTION_CALL:
+            return self._close_call(status)
         where, text = self._where(), self.text
         if self.kind == REASONING:
             item: OutputItem = _reasoning_item(self.item_id, text, status)
@@ -317,40 +322,50 @@ class _Events:
             ),
         ]
 
-    def function_call(self, call: ToolCall) -> list[str]:
-        """A function_call item: added, its arguments (one delta), done."""
+    def call_start(self, index: int, name: str) -> list[str]:
+        """A function_call item, in progress: its arguments follow as `call_arguments`."""
         events = self.close("completed")
-        item = _function_call(call, arguments="")
+        item = _function_call(name, "", "in_progress")
         self.output.append(item)
+        self.kind, self.item_id, self.text = FUNCTION_CALL, item.id, ""
+        self.call_index = index
+        added = self._event(
+            ResponseOutputItemAddedEvent,
+            "response.output_item.added",
+            output_index=len(self.output) - 1,
+            item=item,
+        )
+        return [*events, added]
+
+    def call_arguments(self, text: str) -> list[str]:
+        self.text += text
+        etype = "response.function_call_arguments.delta"
+        where = {"item_id": self.item_id, "output_index": len(self.output) - 1}
+        return [self._event(ResponseFunctionCallArgumentsDeltaEvent, etype, delta=text, **where)]
+
+    def call_done(self, index: int) -> list[str]:
+        """Call ``index`` is complete: its item closes, unless the next call's start (in the
+        same DSML envelope) already closed it."""
+        open_call = self.kind == FUNCTION_CALL and self.call_index == index
+        return self.close("completed") if open_call else []
+
+    def _close_call(self, status: str) -> list[str]:
+        """The open function_call's arguments done, then the item done."""
         index = len(self.output) - 1
-        where = {"item_id": item.id, "output_index": index}
-        done = item.model_copy(update={"arguments": call.arguments, "status": "completed"})
-        self.output[-1] = done
+        where = {"item_id": self.item_id, "output_index": index}
+        item = self.output[index].model_copy(update={"arguments": self.text, "status": status})
+        self.output[index] = item
+        self.kind = None
+        etype = "response.function_call_arguments.done"
         return [
-            *events,
             self._event(
-                ResponseOutputItemAddedEvent,
-                "response.output_item.added",
-                output_index=index,
-                item=item,
-            ),
-            self._event(
-                ResponseFunctionCallArgumentsDeltaEvent,
-                "response.function_call_arguments.delta",
-                delta=call.arguments,
-                **where,
-            ),
-            self._event(
-                ResponseFunctionCallArgumentsDoneEvent,
-                "response.function_call_arguments.done",
-                arguments=call.arguments,
-                **where,
+                ResponseFunctionCallArgumentsDoneEvent, etype, arguments=self.text, **where
             ),
             self._event(
                 ResponseOutputItemDoneEvent,
                 "response.output_item.done",
                 output_index=index,
-                item=done,
+                item=item,
             ),
         ]
 
@@ -484,7 +499,9 @@ class ServingResponses:
             output.append(_reasoning_item(random_id("rs_"), done.reasoning, ending["status"]))
         if done.answer.strip() or not done.tool_calls:
             output.append(_message_item(random_id("msg_"), done.answer, ending["status"]))
-        output.extend(_function_call(call) for call in done.tool_calls)
+        for call in done.tool_calls:  # one cut off by the output cap is incomplete
+            status = "completed" if call.error is None else "incomplete"
+            output.append(_function_call(call.name, call.arguments, status))
         finished = {"output": output, "completed_at": int(time.time()), "usage": _usage(done)}
         return wire(base.model_copy(update={**ending, **finished}))
 
@@ -506,8 +523,12 @@ class ServingResponses:
         pieces = generate_pieces(self.s, response_id, rendered, params, tracker, tools)
         async for piece in pieces:
             match piece:
-                case ToolCallDelta(call=call):
-                    out = events.function_call(call)
+                case ToolCallStart(index=index, name=name):
+                    out = events.call_start(index, name)
+                case ToolArgumentsDelta(text=text):
+                    out = events.call_arguments(text)
+                case ToolCallDone(index=index):
+                    out = events.call_done(index)
                 case ReasoningDelta(text=text):
                     out = events.delta(REASONING, text)
                 case AnswerDelta(text=text):

@@ -12,12 +12,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from atom.entrypoints.tool_parsers.base import Item, ToolCall, ToolParseError, ToolParser
+from atom.entrypoints.tool_parsers.base import (
+    ArgumentsDelta,
+    CallStart,
+    Item,
+    ToolCall,
+    ToolParseError,
+    ToolParser,
+)
 from atom.entrypoints.tool_parsers.dsml import DsmlParser
 from atom.entrypoints.tool_parsers.json_tags import JsonTagsParser
 
 __all__ = [
     "PARSERS",
+    "ArgumentsDelta",
+    "CallStart",
     "DsmlParser",
     "Item",
     "JsonTagsParser",

@@ -10,6 +10,11 @@
 A ``string="true"`` value is raw text; ``string="false"`` is JSON. The parameter's schema has the
 last word: raw text for a non-string parameter is read as JSON when it parses, JSON for a string
 parameter that does not parse stays text.
+
+Arguments stream a parameter at a time: a value read as raw text as its characters come
+(``{"city": "Pa``, ``ris"``), a JSON one once its closing tag is written (``, "days": 3``), then
+``}`` at the invoke's close. A call begins with its first parameter (or, without any, at its
+invoke's close).
 """
 
 from __future__ import annotations
@@ -19,16 +24,23 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from atom.entrypoints.reasoning.base import partial_suffix_len
 from atom.entrypoints.tool_parsers.base import (
     ToolCall,
     ToolParseError,
     ToolParser,
     function_definitions,
+    member,
 )
 from atom.structured_output.tool_grammar import is_plain_string
 
 DSML = "｜DSML｜"
 INVOKE = re.compile(rf'\s*<{DSML}invoke name="([^"]*)">(.*?)</{DSML}invoke>\s*', re.DOTALL)
+INVOKE_START = re.compile(rf'\s*<{DSML}invoke name="([^"]*)">')
+INVOKE_END = re.compile(rf"\s*</{DSML}invoke>\s*")
+PARAMETER_START = re.compile(rf'\s*<{DSML}parameter name="([^"]*)" string="(true|false)">')
+PARAMETER_END = f"</{DSML}parameter>"
+_SPACE = re.compile(r"\s*")
 PARAMETER = re.compile(
     rf'\s*<{DSML}parameter name="([^"]*)" string="(true|false)">(.*?)</{DSML}parameter>\s*',
     re.DOTALL,
@@ -40,11 +52,17 @@ def _types(schema: Any) -> set[str]:
     return {kind} if isinstance(kind, str) else set(kind or ())
 
 
+def _is_raw(is_string: bool, schema: Any) -> bool:
+    """Whether a value is its raw text: written as a string, for a parameter that may be one."""
+    types = _types(schema)
+    return is_string and (not types or "string" in types)
+
+
 def coerce(raw: str, is_string: bool, schema: Any) -> Any:
     """A parameter's value, read as its ``string`` flag says, corrected by its schema."""
-    types = _types(schema)
-    if is_string and (not types or "string" in types):
+    if _is_raw(is_string, schema):
         return raw
+    types = _types(schema)
     try:
         return json.loads(raw)
     except json.JSONDecodeError:
@@ -72,6 +90,14 @@ class DsmlParser(ToolParser):
     start = f"<{DSML}tool_calls>"
     end = f"</{DSML}tool_calls>"
 
+    def __init__(
+        self, tools: Sequence[dict[str, Any]] | None, max_calls: int | None = None
+    ) -> None:
+        super().__init__(tools, max_calls)
+        # The raw value being written (where it starts, its text so far and that text's JSON
+        # encoding), so that each delta encodes only new text.
+        self._raw: tuple[int, str, str] = (-1, "", "")
+
     def parse_body(self, body: str) -> list[ToolCall]:
         calls = []
         for invoke in _whole(INVOKE, body):
@@ -85,6 +111,47 @@ class DsmlParser(ToolParser):
         if not calls:
             raise ToolParseError("a DSML envelope without an invoke")
         return calls
+
+    def progress(self, body: str) -> list[tuple[str, str]]:
+        calls: list[tuple[str, str]] = []
+        pos = 0
+        while invoke := INVOKE_START.match(body, pos):
+            name = invoke.group(1)
+            text, pos = self._parameters(name, body, invoke.end())
+            end = INVOKE_END.match(body, pos)
+            if end is None:
+                return calls + ([(name, text)] if text else [])
+            calls.append((name, (text or "{") + "}"))
+            pos = end.end()
+        return calls
+
+    def _parameters(self, name: str, body: str, pos: int) -> tuple[str, int]:
+        """The arguments text of an invoke's parameters written from ``pos`` on (a raw text
+        value that is still being written included, short of its closing quote), and where the
+        complete ones end. Read as ``PARAMETER`` reads them."""
+        props = self.tools.get(name, {}).get("properties", {})
+        text = ""
+        while opened := PARAMETER_START.match(body, pos):
+            key, is_string, start = opened.group(1), opened.group(2) == "true", opened.end()
+            at, raw, encoded = self._raw
+            if at != start or not body.startswith(raw, start):
+                raw, encoded = "", ""
+            close = body.find(PARAMETER_END, start + len(raw))
+            if close < 0:
+                if _is_raw(is_string, props.get(key)):
+                    more = body[start + len(raw) :]
+                    more = more[: len(more) - partial_suffix_len(more, (PARAMETER_END,))]
+                    encoded += json.dumps(more, ensure_ascii=False)[1:-1]
+                    self._raw = (start, raw + more, encoded)
+                    text += member(not text, key, "")[:-1] + encoded
+                break
+            try:
+                value = coerce(body[start:close], is_string, props.get(key))
+            except ToolParseError:
+                break
+            text += member(not text, key, value)
+            pos = _SPACE.match(body, close + len(PARAMETER_END)).end()  # type: ignore[union-attr]
+        return text, pos
 
     def render_calls(self, calls: Sequence[ToolCall]) -> str:
         """As the grammar writes them: raw text for a plain string parameter, else JSON."""
