@@ -3,9 +3,9 @@
 (node 0), over gloo and the TCP step connections of `remote_ranks`.
 
 Claimed: the two nodes give the same greedy tokens as one rank, with and without a grammar; a
-killed node makes the engine dead (its requests fail, health and new requests raise) within
-seconds; a node that cannot reach node 0 exits with an error naming the address; topologies
-that cannot split are refused. The module's tests run in file order: the kill ends its engine.
+killed node makes the engine dead (health raises, its requests fail, new ones are refused)
+within seconds; a node that cannot reach node 0 exits with an error naming the address, and one
+started with other flags is refused; topologies that cannot split are refused. The module's tests run in file order: the kill ends its engine.
 """
 
 from __future__ import annotations
@@ -124,13 +124,17 @@ def test_a_killed_node_makes_the_engine_dead_within_seconds(nodes):
     two.add_request("long", PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
     two.step()
     os.killpg(node1.pid, signal.SIGKILL)
-    start, errors = time.monotonic(), []
-    while not errors:
+    start = time.monotonic()
+    while True:  # as /health asks: no call to the ranks, only whether each is still there
         assert time.monotonic() - start < 20, "the engine did not notice the dead node"
-        errors = [out.error for out in two.step() if out.error]
-    assert "rank 1" in errors[0]
-    with pytest.raises(EngineDeadError, match="engine is dead"):
-        two.check_health()
+        try:
+            two.check_health()
+        except EngineDeadError as e:
+            assert "engine is dead: rank 1 exited" in str(e)
+            break
+        time.sleep(0.05)
+    errors = [out.error for out in two.step() if out.error]
+    assert len(errors) == 1 and "rank 1" in errors[0]
     with pytest.raises(EngineDeadError):
         two.add_request("after", [1, 2, 3], SamplingParams(max_tokens=2))
     assert not two.has_unfinished_requests()
@@ -145,6 +149,26 @@ def test_a_node_that_cannot_reach_node_0_exits_with_an_error(tiny_llama_dir, tmp
     stderr = (tmp_path / "stderr.log").read_text()
     assert node.returncode == 1, stderr
     assert "could not reach the engine at 127.0.0.1:" in stderr
+
+
+def test_a_node_started_with_other_flags_is_refused(tiny_llama_dir, tmp_path):
+    port = _free_port_pair()
+    with open(tmp_path / "stderr.log", "w") as log:
+        node = _node(tiny_llama_dir, port, log, "--block-size", "32", "--master-timeout", "3")
+        config = EngineConfig(
+            model=str(tiny_llama_dir),
+            tensor_parallel_size=2,
+            nnodes=2,
+            master_port=port,
+            worker_timeout_s=60.0,
+            **KW,
+        )
+        try:
+            with pytest.raises(RuntimeError, match="started with block_size=32, node 0 with 16"):
+                LLMEngine(config)
+        finally:
+            node.wait(60)
+    assert node.returncode == 1
 
 
 @pytest.mark.parametrize(
