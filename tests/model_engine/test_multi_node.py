@@ -26,7 +26,7 @@ from atom.model_engine.llm_engine import LLMEngine
 from atom.sampling_params import SamplingParams
 
 PROMPTS = [[1, 2, 3, 4, 5], [17, 400, 9000, 123], list(range(100, 140))]
-KW = {"max_model_len": 256, "kv_cache_bytes": 8 << 20, "max_num_seqs": 4}
+KW = {"max_model_len": 256, "kv_cache_bytes": 8 << 20, "max_num_seqs": 4, "worker_timeout_s": 60.0}
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -55,6 +55,11 @@ def _node(model: Path, port: int, log, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(command, env=env, stderr=log, start_new_session=True)
 
 
+def _node_0(model: Path, port: int) -> EngineConfig:
+    """Node 0 of 2: the engine and rank 0."""
+    return EngineConfig(model=str(model), tensor_parallel_size=2, nnodes=2, master_port=port, **KW)
+
+
 @pytest.fixture(scope="module")
 def nodes(tiny_llama_dir, tmp_path_factory):
     """(one-rank engine, two-node engine, node 1's process)."""
@@ -64,15 +69,7 @@ def nodes(tiny_llama_dir, tmp_path_factory):
     one = two = None
     try:
         one = LLMEngine(EngineConfig(model=str(tiny_llama_dir), **KW))
-        config = EngineConfig(
-            model=str(tiny_llama_dir),
-            tensor_parallel_size=2,
-            nnodes=2,
-            master_port=port,
-            worker_timeout_s=60.0,
-            **KW,
-        )
-        two = LLMEngine(config)
+        two = LLMEngine(_node_0(tiny_llama_dir, port))
         yield one, two, node1
     finally:
         for engine in (two, one):
@@ -155,17 +152,9 @@ def test_a_node_started_with_other_flags_is_refused(tiny_llama_dir, tmp_path):
     port = _free_port_pair()
     with open(tmp_path / "stderr.log", "w") as log:
         node = _node(tiny_llama_dir, port, log, "--block-size", "32", "--master-timeout", "3")
-        config = EngineConfig(
-            model=str(tiny_llama_dir),
-            tensor_parallel_size=2,
-            nnodes=2,
-            master_port=port,
-            worker_timeout_s=60.0,
-            **KW,
-        )
         try:
             with pytest.raises(RuntimeError, match="started with block_size=32, node 0 with 16"):
-                LLMEngine(config)
+                LLMEngine(_node_0(tiny_llama_dir, port))
         finally:
             node.wait(60)
     assert node.returncode == 1
