@@ -356,16 +356,20 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
+def _run_node(config: EngineConfig, log_level: str) -> int:
+    """A node k > 0 (serve or generate alike): its ranks only, headless, driven by node 0."""
+    import logging
+
+    from atom.model_engine.remote_ranks import run_node
+
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO))
+    return run_node(config)
+
+
 def _serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
-    if config.node_rank > 0:  # headless: this node's ranks only, driven by node 0's engine
-        import logging
-
-        from atom.model_engine.remote_ranks import run_node
-
-        logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO))
-        return run_node(config)
-
+    if config.node_rank > 0:
+        return _run_node(config, args.log_level)
     from atom.entrypoints.openai.api_server import run_server
 
     return run_server(config, server_config_from_args(args))
@@ -375,7 +379,10 @@ def _generate(args: argparse.Namespace) -> int:
     from atom.llm import LLM
     from atom.sampling_params import SamplingParams
 
-    llm = LLM(config=engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    if config.node_rank > 0:
+        return _run_node(config, "info")
+    llm = LLM(config=config)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     if args.raw:
         out = llm.generate([args.prompt], params)[0]

@@ -171,3 +171,8 @@ def test_a_node_started_with_other_flags_is_refused(tiny_llama_dir, tmp_path):
 def test_topologies_that_cannot_split_are_refused(kw, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kw)
+
+
+def test_an_engine_is_refused_on_a_node_other_than_0():
+    with pytest.raises(ValueError, match="the engine runs on node 0"):
+        LLMEngine(EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=1))
