@@ -124,7 +124,8 @@ def _add_parallel_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
         "--master-timeout",
         type=_positive(float),
         default=d.master_timeout_s,
-        help="seconds a node k > 0 tries to reach node 0 before it exits (default: %(default)s)",
+        help="seconds a node k > 0 tries to reach node 0 before it exits, and node 0 waits for "
+        "the other nodes' ranks (default: %(default)s)",
     )
 
 

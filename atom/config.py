@@ -62,7 +62,8 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
-    # How long a node k > 0 keeps trying to reach node 0 before it exits with an error.
+    # How long the nodes wait for each other: a node k > 0 for node 0 to answer (then it exits
+    # with an error), node 0 for the other nodes' ranks to connect (then its start fails).
     master_timeout_s: float = 120.0
     seed: int = 0
     # Run decode steps eagerly instead of replaying CUDA graphs (graphs are never used on CPU).

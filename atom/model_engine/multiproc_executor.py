@@ -69,7 +69,7 @@ class MultiprocExecutor(Executor):
         self._dead: str | None = None
         self._packer = StepPacker()  # steps go out as token deltas
         ctx = mp.get_context("spawn")
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
         several = config.nnodes > 1
         init_method = (
             remote_ranks.init_method(config) if several else f"tcp://127.0.0.1:{_free_port()}"
@@ -94,9 +94,9 @@ class MultiprocExecutor(Executor):
             stats_child.close()
             self.ranks.append(_Rank(rank, process, conn, stats_conn))
         try:
-            if several:
-                self._add_remote_ranks(config, deadline)
-            self._gather("start", deadline, self.timeout_s)
+            if several:  # the other nodes' ranks connect before they load anything
+                self._add_remote_ranks(config, start + config.master_timeout_s)
+            self._gather("start", start + self.timeout_s, self.timeout_s)
         except Exception:
             self.shutdown()
             raise

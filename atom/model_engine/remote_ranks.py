@@ -108,7 +108,8 @@ def accept_ranks(config: EngineConfig, deadline: float) -> dict[int, dict[str, A
                 sock, peer = server.accept()
             except TimeoutError:
                 raise TimeoutError(
-                    f"ranks {missing} of the other nodes did not connect to port {port} in time"
+                    f"ranks {missing} of the other nodes did not connect to port {port} within "
+                    f"{config.master_timeout_s:g} s"
                 ) from None
             hello = _handshake(sock, peer)
             if hello is not None:

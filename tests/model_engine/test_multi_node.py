@@ -55,9 +55,10 @@ def _node(model: Path, port: int, log, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(command, env=env, stderr=log, start_new_session=True)
 
 
-def _node_0(model: Path, port: int) -> EngineConfig:
+def _node_0(model: Path, port: int, **overrides) -> EngineConfig:
     """Node 0 of 2: the engine and rank 0."""
-    return EngineConfig(model=str(model), tensor_parallel_size=2, nnodes=2, master_port=port, **KW)
+    kw = {**KW, **overrides}
+    return EngineConfig(model=str(model), tensor_parallel_size=2, nnodes=2, master_port=port, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +140,21 @@ def test_a_killed_node_makes_the_engine_dead_within_seconds(nodes):
     assert two.executor.ranks[0].process.exitcode is not None
 
 
+def test_node_1_exits_when_node_0_shuts_down(tiny_llama_dir, tmp_path):
+    port = _free_port_pair()
+    with open(tmp_path / "stderr.log", "w") as log:
+        node = _node(tiny_llama_dir, port, log)
+        try:
+            engine = LLMEngine(_node_0(tiny_llama_dir, port))
+            start = time.monotonic()
+            engine.shutdown()
+            assert node.wait(30) == 0
+            assert time.monotonic() - start < 10
+        finally:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+
+
 def test_a_node_that_cannot_reach_node_0_exits_with_an_error(tiny_llama_dir, tmp_path):
     with open(tmp_path / "stderr.log", "w") as log:
         node = _node(tiny_llama_dir, _free_port_pair(), log, "--master-timeout", "1")
@@ -153,8 +169,10 @@ def test_a_node_started_with_other_flags_is_refused(tiny_llama_dir, tmp_path):
     with open(tmp_path / "stderr.log", "w") as log:
         node = _node(tiny_llama_dir, port, log, "--block-size", "32", "--master-timeout", "3")
         try:
+            # rank 0 gives up on its group after worker_timeout_s; nodes wait master_timeout_s
+            config = _node_0(tiny_llama_dir, port, worker_timeout_s=3.0)
             with pytest.raises(RuntimeError, match="started with block_size=32, node 0 with 16"):
-                LLMEngine(_node_0(tiny_llama_dir, port))
+                LLMEngine(config)
         finally:
             node.wait(60)
     assert node.returncode == 1
