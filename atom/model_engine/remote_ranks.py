@@ -19,6 +19,7 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+import struct
 import sys
 import threading
 import time
@@ -57,6 +58,7 @@ SHARED_FIELDS = (
     "structured_output_whitespace",
 )
 RETRY_S = 0.2
+HANDSHAKE_S = 10
 NODE_EXIT_WAIT_S = 10.0
 
 
@@ -132,17 +134,21 @@ def _closed_on_error(found: dict[int, dict[str, Any]]):
 
 def _handshake(sock: socket.socket, peer: Any) -> tuple | None:
     """The connection's hello (rank, channel, pid, shared fields), once both sides proved the
-    key; None (and the connection dropped) for a peer that could not."""
+    key; None (and the connection dropped) for a peer that could not, or sent nothing within
+    HANDSHAKE_S (the kernel's receive timeout: a silent peer cannot stall the start)."""
     sock.setblocking(True)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", HANDSHAKE_S, 0))
     conn = Connection(sock.detach())
     try:
         deliver_challenge(conn, envs.node_key())
         answer_challenge(conn, envs.node_key())
         rank, channel, pid, shared = conn.recv()
-    except (AuthenticationError, EOFError, OSError, ValueError) as e:
-        logger.warning("refused a rank connection from %s: %s", peer, e)
+    except (AuthenticationError, EOFError, OSError, ValueError, TypeError) as e:
+        logger.warning("refused a rank connection from %s: %r", peer, e)
         conn.close()
         return None
+    with socket.socket(fileno=os.dup(conn.fileno())) as view:  # receive without a timeout again
+        view.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
     return rank, channel, pid, shared, conn
 
 

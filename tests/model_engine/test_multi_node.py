@@ -15,12 +15,15 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from multiprocessing.connection import AuthenticationError, Client
 from pathlib import Path
 
 import pytest
 
 from atom.config import EngineConfig
+from atom.model_engine import remote_ranks
 from atom.model_engine.errors import EngineDeadError
 from atom.model_engine.llm_engine import LLMEngine
 from atom.sampling_params import SamplingParams
@@ -194,3 +197,27 @@ def test_topologies_that_cannot_split_are_refused(kw, message):
 def test_an_engine_is_refused_on_a_node_other_than_0():
     with pytest.raises(ValueError, match="the engine runs on node 0"):
         LLMEngine(EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=1))
+
+
+def test_only_peers_with_the_node_key_are_accepted():
+    """Node 0's side alone, over real sockets: a peer with another key is refused and the
+    rank's own connections still come in."""
+    port = _free_port_pair()
+    config = EngineConfig(tensor_parallel_size=2, nnodes=2, master_port=port)
+    deadline = time.monotonic() + 20
+    found: dict = {}
+    accepting = threading.Thread(
+        target=lambda: found.update(remote_ranks.accept_ranks(config, deadline))
+    )
+    accepting.start()
+    try:
+        own = [remote_ranks._connect(config, 1, "calls", deadline)]
+        with pytest.raises(AuthenticationError):
+            Client(("127.0.0.1", port + 1), authkey=b"another key")
+        own += [remote_ranks._connect(config, 1, c, deadline) for c in ("stats", "alive")]
+    finally:
+        accepting.join(30)
+    assert set(found[1]) == {"pid", *remote_ranks.CHANNELS}
+    assert found[1]["pid"] == os.getpid()
+    for conn in own + [found[1][c] for c in remote_ranks.CHANNELS]:
+        conn.close()
