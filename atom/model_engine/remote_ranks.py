@@ -153,17 +153,22 @@ def _handshake(sock: socket.socket, peer: Any) -> tuple | None:
 
 
 def _register(config: EngineConfig, found: dict, remote: set[int], hello: tuple) -> None:
+    """Keep the connection, or refuse it (the rank is told why) and fail the start."""
     rank, channel, pid, shared, conn = hello
+    reason = None
     if rank not in remote or channel not in CHANNELS or channel in found.get(rank, {}):
-        conn.close()
-        raise RuntimeError(f"unexpected rank connection: rank {rank}, channel {channel!r}")
+        reason = f"unexpected rank connection: rank {rank}, channel {channel!r}"
     for name in SHARED_FIELDS:
-        if shared.get(name) != getattr(config, name):
-            conn.close()
-            raise RuntimeError(
+        if reason is None and shared.get(name) != getattr(config, name):
+            reason = (
                 f"rank {rank}'s node was started with {name}={shared.get(name)!r}, node 0 "
                 f"with {getattr(config, name)!r}: every node needs the same flags"
             )
+    if reason is not None:
+        conn.send(("refused", reason))
+        conn.close()
+        raise RuntimeError(reason)
+    conn.send(("ok", None))
     found.setdefault(rank, {"pid": pid})[channel] = conn
 
 
@@ -183,6 +188,10 @@ def _connect(config: EngineConfig, rank: int, channel: str, deadline: float) -> 
             time.sleep(RETRY_S)
     shared = {name: getattr(config, name) for name in SHARED_FIELDS}
     conn.send((rank, channel, os.getpid(), shared))
+    status, reason = conn.recv()
+    if status != "ok":
+        conn.close()
+        raise ConnectionRefusedError(f"node 0 refused rank {rank}: {reason}")
     return conn
 
 
@@ -191,8 +200,8 @@ def run_remote_rank(config: EngineConfig, model_path: Path, hf_config: Any, rank
     deadline = time.monotonic() + config.master_timeout_s
     try:
         calls, stats, alive = (_connect(config, rank, c, deadline) for c in CHANNELS)
-    except (TimeoutError, AuthenticationError) as e:
-        logger.error("rank %d: %s", rank, e)
+    except (OSError, EOFError, AuthenticationError) as e:  # unreachable, refused, or gone
+        logger.error("rank %d: %s", rank, e or type(e).__name__)
         sys.exit(3)
     threading.Thread(target=_exit_with_engine, args=(alive, rank), daemon=True).start()
     run_rank(config, model_path, hf_config, rank, init_method(config), calls, stats)

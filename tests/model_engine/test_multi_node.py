@@ -170,7 +170,7 @@ def test_a_node_that_cannot_reach_node_0_exits_with_an_error(tiny_llama_dir, tmp
 def test_a_node_started_with_other_flags_is_refused(tiny_llama_dir, tmp_path):
     port = _free_port_pair()
     with open(tmp_path / "stderr.log", "w") as log:
-        node = _node(tiny_llama_dir, port, log, "--block-size", "32", "--master-timeout", "3")
+        node = _node(tiny_llama_dir, port, log, "--block-size", "32")
         try:
             # rank 0 gives up on its group after worker_timeout_s; nodes wait master_timeout_s
             config = _node_0(tiny_llama_dir, port, worker_timeout_s=3.0)
@@ -178,7 +178,9 @@ def test_a_node_started_with_other_flags_is_refused(tiny_llama_dir, tmp_path):
                 LLMEngine(config)
         finally:
             node.wait(60)
-    assert node.returncode == 1
+    stderr = (tmp_path / "stderr.log").read_text()
+    assert node.returncode == 1, stderr
+    assert "node 0 refused rank 1: rank 1's node was started with block_size=32" in stderr
 
 
 @pytest.mark.parametrize(
