@@ -43,6 +43,12 @@ class _Rank:
     conn: Connection
     stats_conn: Connection
 
+    def how_it_ended(self) -> str:
+        """As far as this host knows: another node's rank's exit code stays there."""
+        if isinstance(self.process, remote_ranks.RemoteProcess):
+            return "its connections to node 0 closed"
+        return f"exit code {self.process.exitcode}"
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -121,7 +127,7 @@ class MultiprocExecutor(Executor):
         if self._dead is None:
             for r in self.ranks:
                 if not r.process.is_alive():
-                    self._die(f"rank {r.rank} exited (exit code {r.process.exitcode})")
+                    self._die(f"rank {r.rank} exited ({r.how_it_ended()})")
                     break
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -171,9 +177,7 @@ class MultiprocExecutor(Executor):
         if ready:
             gone = next((sentinels[s] for s in ready if s in sentinels), r)
             gone.process.join(1.0)
-            raise self._die(
-                f"rank {gone.rank} died during {method} (exit code {gone.process.exitcode})"
-            )
+            raise self._die(f"rank {gone.rank} died during {method} ({gone.how_it_ended()})")
         raise self._die(f"rank {r.rank} did not answer {method} within {timeout:g} s")
 
     def _die(self, reason: str) -> EngineDeadError:

@@ -72,8 +72,6 @@ class RemoteProcess:
     'alive' connection ends (the rank never writes to it); killing it closes that connection,
     on which the rank exits."""
 
-    exitcode = None  # known on its own node only
-
     def __init__(self, pid: int, alive: Connection):
         self.pid = pid
         self._alive = alive
