@@ -155,8 +155,11 @@ class MultiprocExecutor(Executor):
         """Every rank's answer to the call just sent; the first rank error is raised once all
         have answered, so the pipes stay in step."""
         results, errors = [], []
+        early: dict[int, tuple[str, Any]] = {}  # answers of ranks that ended after giving them
         for r in self.ranks:
-            status, value = self._reply(r, method, deadline, timeout)
+            status, value = early.pop(r.rank, None) or self._reply(
+                r, method, deadline, timeout, early
+            )
             results.append(value)
             if status == "error":
                 errors.append(f"rank {r.rank}: {method} failed: {value}")
@@ -164,21 +167,29 @@ class MultiprocExecutor(Executor):
             raise RuntimeError(errors[0])
         return results
 
-    def _reply(self, r: _Rank, method: str, deadline: float, timeout: float) -> tuple[str, Any]:
+    def _reply(
+        self, r: _Rank, method: str, deadline: float, timeout: float, early: dict
+    ) -> tuple[str, Any]:
         """Rank r's answer. Every rank's end is watched meanwhile: r may be waiting in a
-        collective for a rank that died (on another node, its peer may notice late)."""
-        sentinels = {x.process.sentinel: x for x in self.ranks}
-        ready = wait([r.conn, *sentinels], timeout=max(0.0, deadline - time.monotonic()))
-        if r.conn in ready:
-            try:
-                return r.conn.recv()
-            except (EOFError, OSError):
-                pass
-        if ready:
-            gone = next((sentinels[s] for s in ready if s in sentinels), r)
+        collective for a rank that died (on another node, its peer may notice late). A rank
+        that answered before it ended (a failed start) is not blamed: its answer goes to
+        `early`, to be read in its turn."""
+        watched = {x.process.sentinel: x for x in self.ranks if x.rank not in early}
+        while True:
+            ready = wait([r.conn, *watched], timeout=max(0.0, deadline - time.monotonic()))
+            if r.conn in ready:
+                try:
+                    return r.conn.recv()
+                except (EOFError, OSError):
+                    pass
+            if not ready:
+                raise self._die(f"rank {r.rank} did not answer {method} within {timeout:g} s")
+            gone = next((watched[s] for s in ready if s in watched), r)
+            if gone is not r and _last_answer(gone, early):
+                del watched[gone.process.sentinel]
+                continue
             gone.process.join(1.0)
             raise self._die(f"rank {gone.rank} died during {method} ({gone.how_it_ended()})")
-        raise self._die(f"rank {r.rank} did not answer {method} within {timeout:g} s")
 
     def _die(self, reason: str) -> EngineDeadError:
         """Mark the executor dead and stop every rank left; the error to raise."""
@@ -217,6 +228,18 @@ class MultiprocExecutor(Executor):
                         pass
             self._dead = self._dead or "engine is shut down"
         self._finalizer()
+
+
+def _last_answer(rank: _Rank, early: dict) -> bool:
+    """Whether a rank that ended had answered first (then kept in `early`); its process is
+    gone, so its connection holds that answer or ends."""
+    try:
+        if rank.conn.poll(1.0):
+            early[rank.rank] = rank.conn.recv()
+            return True
+    except (EOFError, OSError):
+        pass
+    return False
 
 
 def _stop_ranks(ranks: list[_Rank]) -> None:
