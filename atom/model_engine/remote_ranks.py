@@ -59,6 +59,7 @@ SHARED_FIELDS = (
 )
 RETRY_S = 0.2
 HANDSHAKE_S = 10
+KEEPALIVE_S = 30
 NODE_EXIT_WAIT_S = 10.0
 
 
@@ -147,7 +148,19 @@ def _handshake(sock: socket.socket, peer: Any) -> tuple | None:
         return None
     with socket.socket(fileno=os.dup(conn.fileno())) as view:  # receive without a timeout again
         view.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+    _keep_alive(conn)
     return rank, channel, pid, shared, conn
+
+
+def _keep_alive(conn: Connection) -> None:
+    """TCP keepalive probes, so that a host gone without closing its connections (power, network)
+    ends them within about KEEPALIVE_S, which a rank's end then reads as on a crash."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as view:
+        view.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system's own timing
+            view.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_S // 3)
+            view.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_S // 6)
+            view.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 4)
 
 
 def _register(config: EngineConfig, found: dict, remote: set[int], hello: tuple) -> None:
@@ -184,6 +197,7 @@ def _connect(config: EngineConfig, rank: int, channel: str, deadline: float) -> 
                     f"{address[0]}:{address[1]} within {config.master_timeout_s:g} s ({e})"
                 ) from None
             time.sleep(RETRY_S)
+    _keep_alive(conn)
     shared = {name: getattr(config, name) for name in SHARED_FIELDS}
     conn.send((rank, channel, os.getpid(), shared))
     status, reason = conn.recv()

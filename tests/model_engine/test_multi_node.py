@@ -203,7 +203,7 @@ def test_an_engine_is_refused_on_a_node_other_than_0():
 
 def test_only_peers_with_the_node_key_are_accepted():
     """Node 0's side alone, over real sockets: a peer with another key is refused and the
-    rank's own connections still come in."""
+    rank's own connections still come in, with TCP keepalive on both ends."""
     port = _free_port_pair()
     config = EngineConfig(tensor_parallel_size=2, nnodes=2, master_port=port)
     deadline = time.monotonic() + 20
@@ -221,5 +221,8 @@ def test_only_peers_with_the_node_key_are_accepted():
         accepting.join(30)
     assert set(found[1]) == {"pid", *remote_ranks.CHANNELS}
     assert found[1]["pid"] == os.getpid()
+    for conn in own + [found[1][c] for c in remote_ranks.CHANNELS]:  # a vanished host ends them
+        with socket.socket(fileno=os.dup(conn.fileno())) as view:
+            assert view.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
     for conn in own + [found[1][c] for c in remote_ranks.CHANNELS]:
         conn.close()
