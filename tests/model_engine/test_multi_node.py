@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from atom.cli import build_parser, engine_config_from_args
 from atom.config import EngineConfig
 from atom.model_engine import remote_ranks
 from atom.model_engine.errors import EngineDeadError
@@ -226,3 +227,15 @@ def test_only_peers_with_the_node_key_are_accepted():
             assert view.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
     for conn in own + [found[1][c] for c in remote_ranks.CHANNELS]:
         conn.close()
+
+
+def test_node_flags_reach_the_engine_config():
+    args = ["serve", "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1"]
+    args += ["--master-addr", "10.0.0.1", "--master-port", "1234", "--master-timeout", "5"]
+    config = engine_config_from_args(build_parser().parse_args(args))
+    got = (config.nnodes, config.node_rank, config.master_addr, config.master_port)
+    assert got == (2, 1, "10.0.0.1", 1234) and config.master_timeout_s == 5.0
+    assert config.ranks_per_node == 1
+    uneven = build_parser().parse_args(["serve", "--tensor-parallel-size", "3", "--nnodes", "2"])
+    with pytest.raises(SystemExit, match="does not split evenly over 2 nodes"):
+        engine_config_from_args(uneven)
