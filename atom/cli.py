@@ -104,14 +104,29 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_parallel_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
-    sizes = {
+    ints = {
         "tensor_parallel_size": "ranks the model is sharded over (one worker process each)",
         "pipeline_parallel_size": "pipeline parallelism is not supported: only 1 is accepted",
         "data_parallel_size": "replicas of the engine, each with its own ranks (processes)",
+        "nnodes": "hosts the tensor-parallel ranks are split over, evenly (README: Several nodes)",
+        "node_rank": "this host's place: 0 runs the server and the first ranks, k > 0 only its "
+        "share of the ranks (headless)",
+        "master_port": "torch.distributed port on node 0; the next port takes the other nodes' "
+        "ranks' step connections",
     }
-    for name, text in sizes.items():
+    for name, text in ints.items():
         flag = "--" + name.replace("_", "-")
         g.add_argument(flag, type=int, default=getattr(d, name), help=text)
+    g.add_argument(
+        "--master-addr", default=d.master_addr, help="node 0's address, as the others reach it"
+    )
+    g.add_argument(
+        "--master-timeout",
+        type=_positive(float),
+        default=d.master_timeout_s,
+        help="seconds a node k > 0 tries to reach node 0 before it exits, and node 0 waits for "
+        "the other nodes' ranks (default: %(default)s)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -141,6 +156,11 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        master_timeout_s=args.master_timeout,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         structured_output_whitespace=args.structured_output_whitespace,
@@ -337,17 +357,33 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
+def _run_node(config: EngineConfig, log_level: str) -> int:
+    """A node k > 0 (serve or generate alike): its ranks only, headless, driven by node 0."""
+    import logging
+
+    from atom.model_engine.remote_ranks import run_node
+
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO))
+    return run_node(config)
+
+
 def _serve(args: argparse.Namespace) -> int:
+    config = engine_config_from_args(args)
+    if config.node_rank > 0:
+        return _run_node(config, args.log_level)
     from atom.entrypoints.openai.api_server import run_server
 
-    return run_server(engine_config_from_args(args), server_config_from_args(args))
+    return run_server(config, server_config_from_args(args))
 
 
 def _generate(args: argparse.Namespace) -> int:
     from atom.llm import LLM
     from atom.sampling_params import SamplingParams
 
-    llm = LLM(config=engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    if config.node_rank > 0:
+        return _run_node(config, "info")
+    llm = LLM(config=config)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     if args.raw:
         out = llm.generate([args.prompt], params)[0]

@@ -53,6 +53,18 @@ class EngineConfig:
     # The longest a rank may take to start or to answer one collective call (a step, an RPC)
     # before the engine is declared dead; a rank that exits is noticed at once.
     worker_timeout_s: float = 600.0
+    # Nodes (README "Several nodes"): the tensor-parallel ranks split evenly over `nnodes` hosts,
+    # each started with the same flags but its own `node_rank`. Node 0 runs the engine and ranks
+    # [0, tp / nnodes); node k > 0 runs the next share headless. Every rank joins
+    # torch.distributed at master_addr:master_port; node 0's engine takes the other nodes' ranks'
+    # step connections on master_port + 1.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    # How long the nodes wait for each other: a node k > 0 for node 0 to answer (then it exits
+    # with an error), node 0 for the other nodes' ranks to connect (then its start fails).
+    master_timeout_s: float = 120.0
     seed: int = 0
     # Run decode steps eagerly instead of replaying CUDA graphs (graphs are never used on CPU).
     enforce_eager: bool = False
@@ -99,6 +111,29 @@ class EngineConfig:
             raise ValueError("speculative decoding is not supported with tensor_parallel_size > 1")
         if self.worker_timeout_s <= 0:
             raise ValueError("worker_timeout_s must be positive")
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}"
+            )
+        if self.nnodes == 1:
+            return
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} does not split evenly over "
+                f"{self.nnodes} nodes"
+            )
+        if self.data_parallel_size != 1:
+            raise ValueError("data_parallel_size > 1 is not supported with nnodes > 1")
+        if not 0 < self.master_port < 65535 or self.master_timeout_s <= 0:
+            raise ValueError("master_port must be in (0, 65535) and master_timeout_s positive")
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Tensor-parallel ranks each node runs (all of them on one node)."""
+        return self.tensor_parallel_size // self.nnodes
 
     def _check_speculative(self) -> None:
         method = self.speculative_method

@@ -46,3 +46,9 @@ def hf_cache_dir() -> str | None:
     if os.environ.get("HF_HOME"):
         return str(Path(os.environ["HF_HOME"]) / "hub")
     return None
+
+
+def node_key() -> bytes:
+    """The shared secret with which the ranks of several nodes and node 0's engine
+    authenticate each other's step connections (HMAC both ways); the same on every node."""
+    return os.environ.get("ATOM_NODE_KEY", "atom-nodes").encode()

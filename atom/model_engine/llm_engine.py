@@ -44,6 +44,10 @@ def default_executor(config: EngineConfig, path: Path, hf_config: Any) -> Execut
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory | None = None):
+        if config.node_rank != 0:
+            raise ValueError(
+                "the engine runs on node 0; node_rank > 0 runs ranks only (atom serve --node-rank)"
+            )
         path = resolve_model(config)
         self.model_name = served_name(config, path)
         self.hf_config = load_hf_config(path)

@@ -1,4 +1,5 @@
-"""Tensor-parallel ranks as worker processes (`worker_process`), driven over pipes.
+"""Tensor-parallel ranks as worker processes (`worker_process`), driven over pipes (and the
+ranks of other nodes over TCP connections that behave the same, `remote_ranks`).
 
 `collective_rpc` sends the call to every rank first (so that they meet in their collectives)
 and then gathers every answer, each under one deadline (`EngineConfig.worker_timeout_s`). A
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from atom.config import EngineConfig
+from atom.model_engine import remote_ranks
 from atom.model_engine.errors import ENGINE_DEAD, EngineDeadError
 from atom.model_engine.executor import Executor
 from atom.model_engine.scheduler import ScheduledBatch
@@ -37,9 +39,15 @@ SHUTDOWN_WAIT_S = 10.0
 @dataclass
 class _Rank:
     rank: int
-    process: BaseProcess
+    process: BaseProcess | remote_ranks.RemoteProcess
     conn: Connection
     stats_conn: Connection
+
+    def how_it_ended(self) -> str:
+        """As far as this host knows: another node's rank's exit code stays there."""
+        if isinstance(self.process, remote_ranks.RemoteProcess):
+            return "its connections to node 0 closed"
+        return f"exit code {self.process.exitcode}"
 
 
 def _free_port() -> int:
@@ -49,7 +57,8 @@ def _free_port() -> int:
 
 
 class MultiprocExecutor(Executor):
-    """`tensor_parallel_size` rank processes on this host. `rank_overrides` replaces
+    """`tensor_parallel_size` rank processes: all on this host, or with `nnodes` > 1 this node's
+    share, the others' joining over TCP (`remote_ranks`). `rank_overrides` replaces
     configuration fields of single ranks (rank -> {field: value}), e.g. the tokenizer a rank
     loads, as a rank on another host with its own model folder would."""
 
@@ -66,10 +75,14 @@ class MultiprocExecutor(Executor):
         self._dead: str | None = None
         self._packer = StepPacker()  # steps go out as token deltas
         ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        start = time.monotonic()
+        several = config.nnodes > 1
+        init_method = (
+            remote_ranks.init_method(config) if several else f"tcp://127.0.0.1:{_free_port()}"
+        )
         self.ranks: list[_Rank] = []
         self._finalizer = Finalize(self, _stop_ranks, (self.ranks,), exitpriority=10)
-        for rank in range(config.tensor_parallel_size):
+        for rank in range(config.ranks_per_node):
             rank_config = dataclasses.replace(config, **(rank_overrides or {}).get(rank, {}))
             conn, child = ctx.Pipe()
             stats_conn, stats_child = ctx.Pipe()
@@ -87,14 +100,22 @@ class MultiprocExecutor(Executor):
             stats_child.close()
             self.ranks.append(_Rank(rank, process, conn, stats_conn))
         try:
-            self._gather("start", time.monotonic() + self.timeout_s, self.timeout_s)
+            if several:  # the other nodes' ranks connect before they load anything
+                self._add_remote_ranks(config, start + config.master_timeout_s)
+            self._gather("start", start + self.timeout_s, self.timeout_s)
         except Exception:
             self.shutdown()
             raise
 
+    def _add_remote_ranks(self, config: EngineConfig, deadline: float) -> None:
+        """The other nodes' ranks, once each has connected (`remote_ranks`)."""
+        for rank, c in sorted(remote_ranks.accept_ranks(config, deadline).items()):
+            process = remote_ranks.RemoteProcess(c["pid"], c["alive"])
+            self.ranks.append(_Rank(rank, process, c["calls"], c["stats"]))
+
     @property
     def pids(self) -> list[int | None]:
-        """Each rank's process id, in rank order."""
+        """Each rank's process id, in rank order (another node's rank's: on that node)."""
         return [r.process.pid for r in self.ranks]
 
     @property
@@ -106,7 +127,7 @@ class MultiprocExecutor(Executor):
         if self._dead is None:
             for r in self.ranks:
                 if not r.process.is_alive():
-                    self._die(f"rank {r.rank} exited (exit code {r.process.exitcode})")
+                    self._die(f"rank {r.rank} exited ({r.how_it_ended()})")
                     break
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -134,8 +155,11 @@ class MultiprocExecutor(Executor):
         """Every rank's answer to the call just sent; the first rank error is raised once all
         have answered, so the pipes stay in step."""
         results, errors = [], []
+        early: dict[int, tuple[str, Any]] = {}  # answers of ranks that ended after giving them
         for r in self.ranks:
-            status, value = self._reply(r, method, deadline, timeout)
+            status, value = early.pop(r.rank, None) or self._reply(
+                r, method, deadline, timeout, early
+            )
             results.append(value)
             if status == "error":
                 errors.append(f"rank {r.rank}: {method} failed: {value}")
@@ -143,17 +167,29 @@ class MultiprocExecutor(Executor):
             raise RuntimeError(errors[0])
         return results
 
-    def _reply(self, r: _Rank, method: str, deadline: float, timeout: float) -> tuple[str, Any]:
-        ready = wait([r.conn, r.process.sentinel], timeout=max(0.0, deadline - time.monotonic()))
-        if r.conn in ready:
-            try:
-                return r.conn.recv()
-            except (EOFError, OSError):
-                pass
-        if ready:
-            r.process.join(1.0)
-            raise self._die(f"rank {r.rank} died during {method} (exit code {r.process.exitcode})")
-        raise self._die(f"rank {r.rank} did not answer {method} within {timeout:g} s")
+    def _reply(
+        self, r: _Rank, method: str, deadline: float, timeout: float, early: dict
+    ) -> tuple[str, Any]:
+        """Rank r's answer. Every rank's end is watched meanwhile: r may be waiting in a
+        collective for a rank that died (on another node, its peer may notice late). A rank
+        that answered before it ended (a failed start) is not blamed: its answer goes to
+        `early`, to be read in its turn."""
+        watched = {x.process.sentinel: x for x in self.ranks if x.rank not in early}
+        while True:
+            ready = wait([r.conn, *watched], timeout=max(0.0, deadline - time.monotonic()))
+            if r.conn in ready:
+                try:
+                    return r.conn.recv()
+                except (EOFError, OSError):
+                    pass
+            if not ready:
+                raise self._die(f"rank {r.rank} did not answer {method} within {timeout:g} s")
+            gone = next((watched[s] for s in ready if s in watched), r)
+            if gone is not r and _last_answer(gone, early):
+                del watched[gone.process.sentinel]
+                continue
+            gone.process.join(1.0)
+            raise self._die(f"rank {gone.rank} died during {method} ({gone.how_it_ended()})")
 
     def _die(self, reason: str) -> EngineDeadError:
         """Mark the executor dead and stop every rank left; the error to raise."""
@@ -192,6 +228,18 @@ class MultiprocExecutor(Executor):
                         pass
             self._dead = self._dead or "engine is shut down"
         self._finalizer()
+
+
+def _last_answer(rank: _Rank, early: dict) -> bool:
+    """Whether a rank that ended had answered first (then kept in `early`); its process is
+    gone, so its connection holds that answer or ends."""
+    try:
+        if rank.conn.poll(1.0):
+            early[rank.rank] = rank.conn.recv()
+            return True
+    except (EOFError, OSError):
+        pass
+    return False
 
 
 def _stop_ranks(ranks: list[_Rank]) -> None:

@@ -31,13 +31,14 @@ STEP_METHODS = ("submit_model", "execute_model")
 
 
 def _init_rank(config: EngineConfig, rank: int, init_method: str) -> None:
-    """Join the replica's group; a GPU per rank of every replica, or on CPU a share of the
-    cores between all of them."""
-    size = config.tensor_parallel_size
-    host_ranks = size * config.data_parallel_size
+    """Join the replica's group; a GPU per rank of every replica on this node, or on CPU a share
+    of the cores between all of them."""
+    size, per_node = config.tensor_parallel_size, config.ranks_per_node
+    host_ranks = per_node * config.data_parallel_size
     on_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     if on_cuda:
-        torch.cuda.set_device((config.data_parallel_rank * size + rank) % torch.cuda.device_count())
+        local = config.data_parallel_rank * per_node + rank % per_node
+        torch.cuda.set_device(local % torch.cuda.device_count())
     else:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         torch.set_num_threads(max(1, cores // host_ranks))

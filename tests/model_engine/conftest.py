@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -54,3 +55,39 @@ def admitted_spec():
         return spec, answers
 
     return admit
+
+
+def _run_batch(engine, prompts, params) -> list[list[tuple[int, float]]]:
+    """Every prompt's output tokens with their raw logprobs, in prompt order (all batched
+    together) on an `LLMEngine` stepped here."""
+    rids = [f"r{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+    for rid, ids in zip(rids, prompts, strict=True):
+        engine.add_request(rid, ids, dataclasses.replace(params, logprobs=0))
+    done: dict[str, list[tuple[int, float]]] = {rid: [] for rid in rids}
+    deadline = time.monotonic() + 120
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "generation did not finish"
+        for out in engine.step():
+            assert out.error is None, out.error
+            done[out.request_id] += [(lp.token_id, lp.logprob) for lp in out.logprobs or []]
+    return [done[rid] for rid in rids]
+
+
+def _assert_same(got, expected) -> None:
+    """Same tokens; logprobs equal up to float32 summation order (an all-reduce adds the
+    ranks' partial sums in another order than one rank's matmul)."""
+    assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in expected]
+    for row, want in zip(got, expected, strict=True):
+        assert [lp for _, lp in row] == pytest.approx([lp for _, lp in want], abs=1e-4)
+
+
+@pytest.fixture(scope="session")
+def run_batch():
+    """``run_batch(engine, prompts, params)``: each prompt's (token, logprob) outputs."""
+    return _run_batch
+
+
+@pytest.fixture(scope="session")
+def assert_same():
+    """``assert_same(got, expected)``: the same tokens, logprobs up to summation order."""
+    return _assert_same

@@ -9,7 +9,6 @@ single-rank forward closely enough that every greedy choice is the same.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import multiprocessing
@@ -52,30 +51,6 @@ def engines(tiny_llama_dir):
     one.shutdown()
 
 
-def _run(engine: LLMEngine, prompts, params: SamplingParams) -> list[list[tuple[int, float]]]:
-    """Every prompt's output tokens with their raw logprobs, in prompt order (all batched
-    together)."""
-    rids = [f"r{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
-    for rid, ids in zip(rids, prompts, strict=True):
-        engine.add_request(rid, ids, dataclasses.replace(params, logprobs=0))
-    done: dict[str, list[tuple[int, float]]] = {rid: [] for rid in rids}
-    deadline = time.monotonic() + 120
-    while engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "generation did not finish"
-        for out in engine.step():
-            assert out.error is None, out.error
-            done[out.request_id] += [(lp.token_id, lp.logprob) for lp in out.logprobs or []]
-    return [done[rid] for rid in rids]
-
-
-def _assert_same(got, expected) -> None:
-    """Same tokens; logprobs equal up to float32 summation order (an all-reduce adds the
-    ranks' partial sums in another order than one rank's matmul)."""
-    assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in expected]
-    for row, want in zip(got, expected, strict=True):
-        assert [lp for _, lp in row] == pytest.approx([lp for _, lp in want], abs=1e-4)
-
-
 def test_two_ranks_run_as_processes(engines):
     _, two = engines
     assert isinstance(two.executor, MultiprocExecutor)
@@ -83,24 +58,24 @@ def test_two_ranks_run_as_processes(engines):
     assert len(set(two.executor.pids)) == 2
 
 
-def test_greedy_parity_unconstrained(engines):
+def test_greedy_parity_unconstrained(engines, run_batch, assert_same):
     one, two = engines
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    expected = _run(one, PROMPTS, params)
+    expected = run_batch(one, PROMPTS, params)
     assert all(len(t) == 24 for t in expected)
-    _assert_same(_run(two, PROMPTS, params), expected)
+    assert_same(run_batch(two, PROMPTS, params), expected)
 
 
-def test_greedy_parity_constrained(engines, admitted_spec):
+def test_greedy_parity_constrained(engines, admitted_spec, run_batch, assert_same):
     one, two = engines
     spec1, _ = admitted_spec(one)
     spec2, answers = admitted_spec(two)
     assert [a["rank"] for a in answers] == [0, 1]  # both ranks compiled it
     params1 = SamplingParams(max_tokens=48, temperature=0.0, structured_output=spec1)
     params2 = SamplingParams(max_tokens=48, temperature=0.0, structured_output=spec2)
-    expected = _run(one, PROMPTS[:2], params1)
-    got = _run(two, PROMPTS[:2], params2)
-    _assert_same(got, expected)
+    expected = run_batch(one, PROMPTS[:2], params1)
+    got = run_batch(two, PROMPTS[:2], params2)
+    assert_same(got, expected)
     for row in got:
         tokens = [t for t, _ in row]
         text = two.tokenizer.decode(tokens, skip_special_tokens=True)
