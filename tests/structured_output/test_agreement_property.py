@@ -45,7 +45,7 @@ from atom.structured_output.schema import SchemaError, canonical, prepare_schema
 
 SUITE = Path(__file__).resolve().parents[1] / "data" / "json-schema-test-suite" / "draft2020-12"
 SETTINGS = settings(
-    max_examples=1000,
+    max_examples=600,
     deadline=None,
     derandomize=True,  # the same examples on every run: CI stays reproducible
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
@@ -356,6 +356,56 @@ def test_known_narrowing_still_forbidden(judges: Judges, name: str, description:
     assert judges.disagreement(schema, value, True, spaced=False) is None
 
 
+# Narrower spellings and refusals the searches above work around, minimised; each xfail turns
+# into a failure (strict) once llguidance or the preflight stops doing it.
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="llguidance 1.9.1 writes a decimal multipleOf's numbers with exactly the divisor's "
+    "decimals: 0.5 under multipleOf 0.25 only as 0.50, 1.5 under 0.75 only as 1.50",
+)
+@pytest.mark.parametrize("divisor,text", [(0.25, "0.5"), (0.75, "1.5"), (1.5, "1.50")])
+def test_decimal_multiple_of_in_its_shortest_spelling(
+    judges: Judges, divisor: float, text: str
+) -> None:
+    schema = {"type": "number", "multipleOf": divisor}
+    assert answer_error("json_schema", schema, text) is None
+    assert judges.accepts(schema, text)
+
+
+def test_decimal_multiple_of_in_the_divisor_decimals(judges: Judges) -> None:
+    """The spelling the grammar does take for the values above."""
+    for divisor, text in [(0.25, "0.50"), (0.75, "1.50"), (1.5, "1.5"), (0.25, "2")]:
+        assert judges.accepts({"type": "number", "multipleOf": divisor}, text), (divisor, text)
+
+
+@pytest.mark.xfail(
+    strict=True, reason="llguidance 1.9.1 takes DEL (U+007F) in a string only as \\u007f"
+)
+def test_raw_del_in_a_string(judges: Judges) -> None:
+    assert answer_error("json_schema", {"type": "string"}, '"\x7f"') is None
+    assert judges.accepts({"type": "string"}, '"\x7f"')
+
+
+def test_escaped_del_in_a_string(judges: Judges) -> None:
+    assert judges.accepts({"type": "string"}, '"\\u007f"')
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="preflight refuses numeric bounds that hold no multiple wherever they are, even in "
+    "an optional property: the schema admits {} but gets a 400",
+)
+def test_unsatisfiable_optional_property_is_accepted(judges: Judges) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 1, "maximum": 2, "multipleOf": 7}},
+    }
+    assert not isinstance(judges.compiled(schema), str), judges.compiled(schema)
+    assert judges.accepts(schema, "{}")
+
+
 # -- mutations -------------------------------------------------------------------------------
 
 json_values = st.recursive(
@@ -549,7 +599,7 @@ def instances(schema: dict) -> st.SearchStrategy:
     return st.fixed_dictionaries(required, optional=optional)
 
 
-@settings(SETTINGS, max_examples=1500)
+@settings(SETTINGS, max_examples=1000)
 @given(data=st.data())
 def test_generated_schemas_and_instances_agree(judges: Judges, data) -> None:
     schema = data.draw(schemas, label="schema")
