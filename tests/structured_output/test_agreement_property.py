@@ -100,8 +100,9 @@ def _spellings(value: Any) -> list[str]:
     if isinstance(value, bool) or value is None:
         return [json.dumps(value)]
     number = Decimal(value)
-    shortest = str(int(number)) if number == number.to_integral_value() else None
-    spellings = [shortest or format(number.normalize(), "f")]
+    if number == number.to_integral_value():
+        return [str(int(number))]  # what the grammar takes under any multipleOf
+    spellings = [format(number.normalize(), "f")]
     for places in range(1, 4):
         padded = format(number, f".{places}f")
         if Decimal(padded) == number and padded not in spellings:
@@ -216,6 +217,11 @@ def exact(text: str) -> Any:
     return json.loads(text, parse_float=Decimal)
 
 
+class Undecided(Exception):
+    """The search fed ``MAX_SEARCH_STEPS`` pieces without a verdict: invalid values with many
+    objects whose every key order the grammar follows until the end."""
+
+
 class Judges:
     """The server's grammar compiler, with pristine matchers cached per schema: one over the
     model's tokenizer, one over single bytes for texts that tokenizer cannot spell (SmolLM2
@@ -266,7 +272,8 @@ class Judges:
         head, rest = todo[0], todo[1:]
         if isinstance(head, Text):
             self.steps += 1
-            assert self.steps < MAX_SEARCH_STEPS, f"no verdict after {self.steps} steps"
+            if self.steps > MAX_SEARCH_STEPS:
+                raise Undecided(written)
             matcher = matcher.deep_copy()
             if not matcher.consume_tokens(list(head.text.encode())):
                 return None
@@ -302,6 +309,14 @@ def _only_format_fails(schema: Any, text: str) -> bool:
     leap days and seconds or IDNA rules, and the final validator (checked against the suite
     above) turns such an answer into an error, never a success."""
     return re2_validator(schema).evolve(format_checker=None).is_valid(exact(text))
+
+
+def decided(disagreement: Any, *args: Any) -> str | None:
+    """``disagreement(*args)``; a hypothesis example without a verdict is dropped."""
+    try:
+        return disagreement(*args)
+    except Undecided:
+        reject()
 
 
 @pytest.fixture(scope="module")
@@ -499,7 +514,7 @@ def test_mutated_suite_instances_agree(judges: Judges, suite_groups: list, data)
     expected = reference_valid(schema, value)
     spaced = data.draw(st.booleans(), label="spaced")
     narrower = name in {group for group, _ in KNOWN_NARROWER}
-    problem = judges.disagreement(schema, value, expected, spaced, narrower)
+    problem = decided(judges.disagreement, schema, value, expected, spaced, narrower)
     assert problem is None, f"{name} / {description}, mutated: {problem}"
 
 
@@ -638,4 +653,4 @@ def test_generated_schemas_and_instances_agree(judges: Judges, data) -> None:
     for candidate in (value, mutate(data, value)):
         expected = reference_valid(schema, candidate)
         assert expected is not None
-        assert judges.disagreement(schema, candidate, expected, spaced) is None
+        assert decided(judges.disagreement, schema, candidate, expected, spaced) is None
