@@ -217,6 +217,7 @@ def _check_keyword(key: str, value: object, pointer: str) -> None:
 
 
 _NUMERIC_KEYS = (*sorted(_NUMBERS), "multipleOf")
+_UNSATISFIABLE = "Unsatisfiable schema"  # how llguidance's refusals of an empty range begin
 
 
 @functools.lru_cache(maxsize=4096)
@@ -234,12 +235,15 @@ def _grammar_number_error(kind: str, keywords: tuple[tuple[str, object], ...]) -
         return str(exc) or type(exc).__name__
 
 
-def _check_numbers(node: dict, pointer: str) -> None:
-    """The numeric keywords of one schema object, as the grammar compiler will read them."""
+def _check_numbers(node: dict, pointer: str) -> bool:
+    """The numeric keywords of one schema object, as the grammar compiler will read them: True
+    when they admit no number at all, which is exact (llguidance compiles such a node as
+    admitting nothing, so a schema that can do without it stays satisfiable)."""
     keywords = tuple((k, node[k]) for k in _NUMERIC_KEYS if k in node and _is_number(node[k]))
     if not keywords:
-        return
+        return False
     types = _types(node["type"]) if "type" in node else ["number"]
+    empty = False
     for kind in ("integer", "number"):
         if kind not in types or _grammar_number_error(kind, keywords) is None:
             continue
@@ -249,13 +253,19 @@ def _check_numbers(node: dict, pointer: str) -> None:
                 break
         else:
             key, error = keywords[0][0], _grammar_number_error(kind, keywords)
+            if error.startswith(_UNSATISFIABLE):
+                empty = True
+                continue
         raise SchemaError(
             f"{key} cannot be enforced by the grammar compiler: {error}", _child(pointer, key)
         )
+    return empty
 
 
-def _check_shapes(schema: object) -> None:
-    """Every schema position (as ``referencing`` crawls them) holds a well-formed schema."""
+def _check_shapes(schema: object) -> list[str]:
+    """Every schema position (as ``referencing`` crawls them) holds a well-formed schema; the
+    pointers of those whose numeric keywords admit no number."""
+    empty: list[str] = []
     stack: list[tuple[object, str]] = [(schema, "")]
     while stack:
         node, pointer = stack.pop()
@@ -276,7 +286,9 @@ def _check_shapes(schema: object) -> None:
                 stack.extend(
                     (v, _child(at, k)) for k, v in value.items() if not isinstance(v, list)
                 )
-        _check_numbers(node, pointer)
+        if _check_numbers(node, pointer):
+            empty.append(pointer)
+    return empty
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,6 +398,7 @@ class _Lowerer:
         self.ref_depth = 0
         self.chain: list[str] = []  # references entered since the last descent into the instance
         self.validators: dict[int, tuple[dict, Any]] = {}
+        self.kept_one_of: list[str] = []  # oneOf left to llguidance (`_one_of`), by pointer
 
     # -- references -------------------------------------------------------------------------
 
@@ -766,8 +779,9 @@ class _Lowerer:
             negs = [self.negate(o, pointer) for o in options]
         except BudgetError:
             raise
-        except _Unsupported:
-            return  # kept as oneOf: llguidance compiles it only when provably disjoint
+        except _Unsupported:  # kept as oneOf: llguidance compiles it only when provably disjoint
+            self.kept_one_of.append(pointer)
+            return
         self.budget.reserve(pointer, entries=len(options))
         branches = [
             _all_of([o] + [n for j, n in enumerate(negs) if j != i]) for i, o in enumerate(options)
@@ -1127,10 +1141,34 @@ def _check_dialect(value: object, pointer: str) -> None:
         raise SchemaError(f"only JSON Schema draft 2020-12 is accepted, not {value!r}", pointer)
 
 
+def _check_compiles(lowered: str, kept_one_of: list[str], empty_numbers: list[str]) -> None:
+    """The whole lowered schema, where a part of it is llguidance's to judge: a oneOf left to it
+    compiles only where it proves the branches exclusive, and numbers that admit nothing leave
+    the schema satisfiable only if it can do without them. A refusal names the pointer here,
+    before any rank compiles (llguidance's own error has none)."""
+    from llguidance import LLMatcher
+
+    try:
+        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(lowered))
+    except Exception as exc:  # noqa: BLE001 - any refusal is a refusal
+        error = str(exc)
+    if error and "oneOf" in error and kept_one_of:
+        raise SchemaError(
+            "the branches of this oneOf may overlap, and only branches shown to be exclusive "
+            "can be enforced as 'exactly one'; use anyOf if several branches may match",
+            kept_one_of[0],
+        )
+    if error and error.startswith(_UNSATISFIABLE) and empty_numbers:
+        raise SchemaError(
+            f"the schema admits no value: the numeric keywords here admit no number ({error})",
+            empty_numbers[0],
+        )
+
+
 def prepare_schema(schema: object) -> PreparedSchema:
     """Full pre-enqueue check and exact lowering into what llguidance enforces."""
     _check_structure(schema)
-    _check_shapes(schema)
+    empty_numbers = _check_shapes(schema)
     try:
         if isinstance(schema, dict) and not isinstance(schema.get("$id", ""), str):
             raise SchemaError("$id must be a string", "/$id")
@@ -1151,4 +1189,6 @@ def prepare_schema(schema: object) -> PreparedSchema:
     if lowerer.defs:
         lowered = {"$defs": lowerer.defs, **lowered}
     text = json.dumps(lowered, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    if lowerer.kept_one_of or empty_numbers:
+        _check_compiles(text, lowerer.kept_one_of, empty_numbers)
     return PreparedSchema(schema, lowered, hashlib.sha256(text.encode()).hexdigest())

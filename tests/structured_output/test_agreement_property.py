@@ -429,18 +429,18 @@ def test_escaped_del_in_a_string(judges: Judges) -> None:
     assert judges.accepts({"type": "string"}, '"\\u007f"')
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="preflight refuses numeric bounds that hold no multiple wherever they are, even in "
-    "an optional property: the schema admits {} but gets a 400",
-)
 def test_unsatisfiable_optional_property_is_accepted(judges: Judges) -> None:
-    schema = {
-        "type": "object",
-        "properties": {"a": {"type": "integer", "minimum": 1, "maximum": 2, "multipleOf": 7}},
-    }
+    """Numbers that admit nothing in an optional property leave ``{}``; the same numbers
+    required, or as the whole schema, are refused before enqueue with their pointer."""
+    empty = {"type": "integer", "minimum": 1, "maximum": 2, "multipleOf": 7}
+    schema = {"type": "object", "properties": {"a": empty}}
     assert not isinstance(judges.compiled(schema), str), judges.compiled(schema)
     assert judges.accepts(schema, "{}")
+    assert not judges.accepts(schema, '{"a":7}')
+    for refused, pointer in (({**schema, "required": ["a"]}, "/properties/a"), (empty, "")):
+        with pytest.raises(SchemaError, match="admits no value") as info:
+            prepare_schema(refused)
+        assert info.value.pointer == pointer
 
 
 @pytest.mark.xfail(
@@ -471,14 +471,10 @@ def test_unbounded_decimal_multiple_of_admits_negative_fractions(judges: Judges)
         assert judges.disagreement(schema, Decimal("-0.5"), True, spaced=False) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="preflight passes a oneOf it cannot lower (branches neither disjoint nor "
-    "complementable) to llguidance, which refuses it at admission without a pointer and with "
-    "a hint about its coerce_one_of option",
-)
 def test_unlowerable_one_of_is_refused_at_preflight() -> None:
-    with pytest.raises(SchemaError) as info:
+    """A oneOf whose branches are neither disjoint nor complementable is refused before any
+    rank compiles it, with its pointer (llguidance's own refusal has none)."""
+    with pytest.raises(SchemaError, match="use anyOf") as info:
         prepare_schema({"oneOf": [{"type": "integer"}, {"type": "number"}]})
     assert info.value.pointer.startswith("/oneOf")
 
