@@ -116,6 +116,11 @@ class LLMEngine:
             EngineCore(self.config, executor, self.tokenizer, self.eos_token_ids, n)
             for executor, n in zip(self.executors, blocks, strict=True)
         ]
+        self._step_pool = (
+            ThreadPoolExecutor(len(self.cores), thread_name_prefix="atom-replica-step")
+            if len(self.cores) > 1
+            else None
+        )
         logger.info(
             "model %s (%s), dtype %s, device %s, KV cache %d tokens (%d blocks of %d), "
             "max_model_len %d",
@@ -178,7 +183,15 @@ class LLMEngine:
             self.cores[idx].submit_abort(rids)
 
     def step(self) -> list[RequestOutput]:
-        outputs = [out for core in self.cores for out in core.step()]
+        """One step of every replica. Several replicas step at once, each on a thread of its
+        own: a step waits for its ranks' output, and stepped one after the other each replica
+        would sit idle while another's output is awaited."""
+        if len(self.cores) == 1:
+            outputs = self.cores[0].step()
+        else:
+            outputs = [
+                out for step in self._step_pool.map(EngineCore.step, self.cores) for out in step
+            ]
         self._forget_finished(outputs)
         return outputs
 
@@ -235,6 +248,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         for core in self.cores:
             core.shutdown()
+        if self._step_pool is not None:
+            self._step_pool.shutdown(wait=True)
         self._shutdown_executors()
 
     def _shutdown_executors(self) -> None:
