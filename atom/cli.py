@@ -132,7 +132,12 @@ def _add_parallel_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The engine configuration; a refused combination exits with its one-line reason."""
     try:
-        return _engine_config(args)
+        config = _engine_config(args)
+        if config.nnodes > 1:  # the nodes' key rule, before anything loads
+            from atom.model_engine.remote_ranks import bind_address
+
+            bind_address(config)
+        return config
     except ValueError as e:
         raise SystemExit(f"atom: error: {e}") from None
 

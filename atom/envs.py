@@ -48,7 +48,15 @@ def hf_cache_dir() -> str | None:
     return None
 
 
+DEFAULT_NODE_KEY = "atom-nodes"
+
+
 def node_key() -> bytes:
     """The shared secret with which the ranks of several nodes and node 0's engine
     authenticate each other's step connections (HMAC both ways); the same on every node."""
-    return os.environ.get("ATOM_NODE_KEY", "atom-nodes").encode()
+    return os.environ.get("ATOM_NODE_KEY", DEFAULT_NODE_KEY).encode()
+
+
+def node_key_is_set() -> bool:
+    """Whether ATOM_NODE_KEY is set to a key of the operator's own (not the public default)."""
+    return os.environ.get("ATOM_NODE_KEY", DEFAULT_NODE_KEY) != DEFAULT_NODE_KEY

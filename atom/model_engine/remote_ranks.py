@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import multiprocessing as mp
 import os
@@ -102,7 +103,7 @@ def accept_ranks(config: EngineConfig, deadline: float) -> dict[int, dict[str, A
     remote = set(range(config.ranks_per_node, config.tensor_parallel_size))
     found: dict[int, dict[str, Any]] = {}
     port = config.master_port + 1
-    with socket.create_server(("", port)) as server, _closed_on_error(found):
+    with socket.create_server((bind_address(config), port)) as server, _closed_on_error(found):
         while missing := sorted(r for r in remote if not found.get(r, {}).keys() >= {*CHANNELS}):
             server.settimeout(max(0.0, deadline - time.monotonic()) or 0.001)
             try:
@@ -116,6 +117,28 @@ def accept_ranks(config: EngineConfig, deadline: float) -> dict[int, dict[str, A
             if hello is not None:
                 _register(config, found, remote, hello)
     return found
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback (the nodes are processes of one host)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_address(config: EngineConfig) -> str:
+    """Where node 0 takes the other nodes' step connections: loopback when they reach it there,
+    else every interface, which needs a key of the operator's own: the connections carry
+    pickles, and the default key is public."""
+    if is_loopback(config.master_addr):
+        return "127.0.0.1"
+    if not envs.node_key_is_set():
+        raise ValueError(
+            f"nodes that reach node 0 at {config.master_addr} need ATOM_NODE_KEY set to the same "
+            "secret on every node (the step connections carry pickles; the default key is public)"
+        )
+    return ""
 
 
 @contextlib.contextmanager

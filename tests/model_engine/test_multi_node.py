@@ -10,6 +10,7 @@ started with other flags is refused; topologies that cannot split are refused. T
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -229,10 +230,18 @@ def test_only_peers_with_the_node_key_are_accepted():
         conn.close()
 
 
-def test_node_flags_reach_the_engine_config():
+def test_node_flags_reach_the_engine_config(monkeypatch):
     args = ["serve", "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1"]
     args += ["--master-addr", "10.0.0.1", "--master-port", "1234", "--master-timeout", "5"]
+    monkeypatch.delenv("ATOM_NODE_KEY", raising=False)
+    with pytest.raises(SystemExit, match="need ATOM_NODE_KEY set"):  # nodes off this host
+        engine_config_from_args(build_parser().parse_args(args))
+    monkeypatch.setenv("ATOM_NODE_KEY", "an operator's secret")
     config = engine_config_from_args(build_parser().parse_args(args))
+    assert remote_ranks.bind_address(config) == ""  # every interface, with the operator's key
+    local = dataclasses.replace(config, master_addr="127.0.0.1")
+    monkeypatch.delenv("ATOM_NODE_KEY")
+    assert remote_ranks.bind_address(local) == "127.0.0.1"  # nodes of one host: loopback only
     got = (config.nnodes, config.node_rank, config.master_addr, config.master_port)
     assert got == (2, 1, "10.0.0.1", 1234) and config.master_timeout_s == 5.0
     assert config.ranks_per_node == 1
