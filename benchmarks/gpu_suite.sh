@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_suite.sh grammar  (grammar process on/off profile and structured
 #                                          overhead; about 6 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck per engine variant under a host-memory
-#                                          watchdog, then on ATOM's own kernels; ~5 minutes)
+#                                          watchdog, then on each of ATOM's kernels; ~8 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -64,16 +64,19 @@ watched() {  # watched GIB COMMAND...: kill COMMAND's tree past GIB of host RSS;
     return $rc
 }
 racecheck() {
-    for variant in ${RACE_VARIANTS-graphs-async eager-sync}; do
+    for variant in ${RACE_VARIANTS-}; do  # whole-engine racecheck: over 70 s a variant
         step race_$variant 70 bash -c "$(declare -f watched); watched 40 compute-sanitizer \
             --tool racecheck --print-limit 20 python3 benchmarks/sanitize_engine.py cuda $variant"
     done
-    local own="_attention_kernel|_merge_splits|_store_kv|_bitmask_kernel|_rms_norm|_rotary|_silu"
-    # CUDA graph capture under racecheck ends in "Internal Sanitizer Error" (2026-12-02): the
-    # kernels are checked on the eager asynchronous path, which launches the same kernels.
-    step race_own_kernels 120 bash -c "$(declare -f watched); watched 40 compute-sanitizer \
-        --tool racecheck --print-limit 20 --kernel-regex 'kns=$own' \
-        python3 benchmarks/sanitize_engine.py cuda ${RACE_OWN_VARIANT:-eager-async}"
+    # CUDA graph capture under racecheck ends in "Internal Sanitizer Error" (2026-12-02), and so
+    # does the eager path with all of ATOM's kernels instrumented: one kernel per run tells
+    # which launch the sanitizer fails on.
+    for kernel in ${RACE_KERNELS-_rms_norm _rotary _silu _store_kv _attention_kernel _merge_splits \
+            _bitmask_kernel}; do
+        step race_kernel$kernel 60 bash -c "$(declare -f watched); watched 40 compute-sanitizer \
+            --tool racecheck --print-limit 20 --kernel-name kns=$kernel \
+            python3 benchmarks/sanitize_engine.py cuda ${RACE_OWN_VARIANT:-eager-async}"
+    done
 }
 "${1:?bench, check, grammar or racecheck}"
 tail -n 200 $out/summary.log
