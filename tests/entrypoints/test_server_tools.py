@@ -466,3 +466,30 @@ def test_responses_arguments_stream_in_deltas(client, model_id):
     (call,) = final.output
     assert "".join(fragments) == call.arguments == full.arguments
     assert (call.name, call.status, call.id) == (full.name, "completed", added.id)
+
+
+# Ends get_weather's forced call inside its arguments, after the city: `{"city": "Paris"` (the
+# envelope and the tool's name take the first 16 tokens, the whole call 36).
+CUT = 25
+
+
+def test_responses_call_cut_off_by_max_output_tokens_ends_as_written(client, model_id):
+    """An incomplete response whose function_call is incomplete, with the arguments written so
+    far; streamed, its deltas join to those same arguments, up to `response.incomplete`."""
+    (whole,) = client.responses.create(model=model_id, **FORCED_RESPONSES).output
+    kw = dict(model=model_id, **{**FORCED_RESPONSES, "max_output_tokens": CUT})
+    cut = client.responses.create(**kw)
+    assert (cut.status, cut.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    (call,) = cut.output
+    assert (call.type, call.name, call.status) == ("function_call", "get_weather", "incomplete")
+    assert call.arguments != whole.arguments and whole.arguments.startswith(call.arguments)
+    # (The SDK's stream helper wants `response.completed` for a final response: events are read.)
+    events = list(client.responses.create(**kw, stream=True))
+    fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = next(e for e in events if e.type == "response.output_item.done").item
+    final = events[-1]
+    assert final.type == "response.incomplete" and len(fragments) > 1
+    assert "".join(fragments) == done.arguments == call.arguments and done.status == "incomplete"
+    assert [(i.name, i.status, i.arguments) for i in final.response.output] == [
+        ("get_weather", "incomplete", call.arguments)
+    ]
