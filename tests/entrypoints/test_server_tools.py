@@ -493,3 +493,37 @@ def test_responses_call_cut_off_by_max_output_tokens_ends_as_written(client, mod
     assert [(i.name, i.status, i.arguments) for i in final.response.output] == [
         ("get_weather", "incomplete", call.arguments)
     ]
+
+
+def test_messages_tool_use_cut_off_by_max_tokens_keeps_its_completed_members(
+    anthropic_client, model_id
+):
+    """stop_reason "max_tokens" with the tool_use block as far as it was written. Streamed, its
+    input_json_delta fragments are an unfinished JSON text; an `input` object cannot hold that,
+    so the full message's input has the members it completed: what the SDK accumulates."""
+    kw = dict(
+        model=model_id,
+        messages=ASK,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body={"temperature": 0},
+    )
+    (whole,) = anthropic_client.messages.create(**kw, max_tokens=60).content
+    cut = anthropic_client.messages.create(**kw, max_tokens=CUT)
+    (use,) = cut.content
+    assert (cut.stop_reason, use.type, use.name) == ("max_tokens", "tool_use", "get_weather")
+    assert use.input and use.input.items() < whole.input.items()  # {"city": "Paris"}
+    with anthropic_client.messages.stream(**kw, max_tokens=CUT) as stream:
+        events = list(stream)
+        message = stream.get_final_message()
+    fragments = [e.partial_json for e in events if e.type == "input_json"]
+    assert len(fragments) > 1
+    with pytest.raises(json.JSONDecodeError):
+        json.loads("".join(fragments))
+    assert [e.type for e in events][-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    (streamed,) = message.content
+    assert (message.stop_reason, streamed.name, streamed.input) == (
+        "max_tokens",
+        use.name,
+        use.input,
+    )
