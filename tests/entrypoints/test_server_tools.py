@@ -466,3 +466,64 @@ def test_responses_arguments_stream_in_deltas(client, model_id):
     (call,) = final.output
     assert "".join(fragments) == call.arguments == full.arguments
     assert (call.name, call.status, call.id) == (full.name, "completed", added.id)
+
+
+# Ends get_weather's forced call inside its arguments, after the city: `{"city": "Paris"` (the
+# envelope and the tool's name take the first 16 tokens, the whole call 36).
+CUT = 25
+
+
+def test_responses_call_cut_off_by_max_output_tokens_ends_as_written(client, model_id):
+    """An incomplete response whose function_call is incomplete, with the arguments written so
+    far; streamed, its deltas join to those same arguments, up to `response.incomplete`."""
+    (whole,) = client.responses.create(model=model_id, **FORCED_RESPONSES).output
+    kw = dict(model=model_id, **{**FORCED_RESPONSES, "max_output_tokens": CUT})
+    cut = client.responses.create(**kw)
+    assert (cut.status, cut.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    (call,) = cut.output
+    assert (call.type, call.name, call.status) == ("function_call", "get_weather", "incomplete")
+    assert call.arguments != whole.arguments and whole.arguments.startswith(call.arguments)
+    # (The SDK's stream helper wants `response.completed` for a final response: events are read.)
+    events = list(client.responses.create(**kw, stream=True))
+    fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = next(e for e in events if e.type == "response.output_item.done").item
+    final = events[-1]
+    assert final.type == "response.incomplete" and len(fragments) > 1
+    assert "".join(fragments) == done.arguments == call.arguments and done.status == "incomplete"
+    assert [(i.name, i.status, i.arguments) for i in final.response.output] == [
+        ("get_weather", "incomplete", call.arguments)
+    ]
+
+
+def test_messages_tool_use_cut_off_by_max_tokens_keeps_its_completed_members(
+    anthropic_client, model_id
+):
+    """stop_reason "max_tokens" with the tool_use block as far as it was written. Streamed, its
+    input_json_delta fragments are an unfinished JSON text; an `input` object cannot hold that,
+    so the full message's input has the members it completed: what the SDK accumulates."""
+    kw = dict(
+        model=model_id,
+        messages=ASK,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body={"temperature": 0},
+    )
+    (whole,) = anthropic_client.messages.create(**kw, max_tokens=60).content
+    cut = anthropic_client.messages.create(**kw, max_tokens=CUT)
+    (use,) = cut.content
+    assert (cut.stop_reason, use.type, use.name) == ("max_tokens", "tool_use", "get_weather")
+    assert use.input and use.input.items() < whole.input.items()  # {"city": "Paris"}
+    with anthropic_client.messages.stream(**kw, max_tokens=CUT) as stream:
+        events = list(stream)
+        message = stream.get_final_message()
+    fragments = [e.partial_json for e in events if e.type == "input_json"]
+    assert len(fragments) > 1
+    with pytest.raises(json.JSONDecodeError):
+        json.loads("".join(fragments))
+    assert [e.type for e in events][-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    (streamed,) = message.content
+    assert (message.stop_reason, streamed.name, streamed.input) == (
+        "max_tokens",
+        use.name,
+        use.input,
+    )

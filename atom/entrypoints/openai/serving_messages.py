@@ -26,6 +26,7 @@ from anthropic.types import (
 from anthropic.types.raw_message_delta_event import Delta
 from anthropic.types.shared import ErrorResponse
 from fastapi import Request
+from jiter import from_json
 
 from atom.entrypoints.openai.errors import bad_request
 from atom.entrypoints.openai.metrics import RequestTracker
@@ -149,8 +150,14 @@ def _stop(done: Finished) -> dict[str, Any]:
 
 
 def _tool_use(call: ToolCall) -> ToolUseBlock:
-    """A call's block; one cut off by max_tokens has no input (its JSON is unfinished)."""
-    arguments = json.loads(call.arguments) if call.error is None else {}
+    """A call's block. One cut off by max_tokens has an unfinished JSON text, which an `input`
+    object cannot hold: it gets the members that text completed, read as the Anthropic SDK reads
+    the same text streamed as `input_json_delta` fragments (jiter's partial mode: an unfinished
+    value is left out), so a streamed and a full message agree; `{}` before any."""
+    if call.error is None:
+        arguments = json.loads(call.arguments)
+    else:  # the arguments streamed so far: a prefix of a JSON object's text
+        arguments = from_json(call.arguments.encode(), partial_mode=True) if call.arguments else {}
     return ToolUseBlock(type="tool_use", id=random_id("toolu_"), name=call.name, input=arguments)
 
 

@@ -68,6 +68,7 @@ from atom.entrypoints.openai.serving_engine import (
 from atom.entrypoints.openai.sse import SSEResponse, typed_event, wire
 from atom.entrypoints.openai.tool_calls import ToolRequest, preflight, read_tools
 from atom.entrypoints.reasoning import REASONING, TEXT
+from atom.entrypoints.tool_parsers import ToolCall
 from atom.model_engine.output import RequestOutput
 from atom.sampling_params import SamplingParams
 
@@ -164,6 +165,11 @@ def _function_call(name: str, arguments: str, status: str) -> ResponseFunctionTo
         arguments=arguments,
         status=status,
     )
+
+
+def _call_status(call: ToolCall) -> str:
+    """A function_call item's final status: one cut off by the output cap is incomplete."""
+    return "completed" if call.error is None else "incomplete"
 
 
 def _failure(message: str) -> ResponseError:
@@ -343,11 +349,13 @@ class _Events:
         where = {"item_id": self.item_id, "output_index": len(self.output) - 1}
         return [self._event(ResponseFunctionCallArgumentsDeltaEvent, etype, delta=text, **where)]
 
-    def call_done(self, index: int) -> list[str]:
-        """Call ``index`` is complete: its item closes, unless the next call's start (in the
-        same DSML envelope) already closed it."""
-        open_call = self.kind == FUNCTION_CALL and self.call_index == index
-        return self.close("completed") if open_call else []
+    def call_done(self, index: int, call: ToolCall) -> list[str]:
+        """Call ``index`` has ended: its item closes, unless the next call's start (in the
+        same DSML envelope) already closed it; a broken one (cut off by the output cap) is
+        incomplete, as in the full response."""
+        if self.kind != FUNCTION_CALL or self.call_index != index:
+            return []
+        return self.close(_call_status(call))
 
     def _close_call(self, status: str) -> list[str]:
         """The open function_call's arguments done, then the item done."""
@@ -499,9 +507,8 @@ class ServingResponses:
             output.append(_reasoning_item(random_id("rs_"), done.reasoning, ending["status"]))
         if done.answer.strip() or not done.tool_calls:
             output.append(_message_item(random_id("msg_"), done.answer, ending["status"]))
-        for call in done.tool_calls:  # one cut off by the output cap is incomplete
-            status = "completed" if call.error is None else "incomplete"
-            output.append(_function_call(call.name, call.arguments, status))
+        for call in done.tool_calls:
+            output.append(_function_call(call.name, call.arguments, _call_status(call)))
         finished = {"output": output, "completed_at": int(time.time()), "usage": _usage(done)}
         return wire(base.model_copy(update={**ending, **finished}))
 
@@ -527,8 +534,8 @@ class ServingResponses:
                     out = events.call_start(index, name)
                 case ToolArgumentsDelta(text=text):
                     out = events.call_arguments(text)
-                case ToolCallDone(index=index):
-                    out = events.call_done(index)
+                case ToolCallDone(index=index, call=call):
+                    out = events.call_done(index, call)
                 case ReasoningDelta(text=text):
                     out = events.delta(REASONING, text)
                 case AnswerDelta(text=text):
