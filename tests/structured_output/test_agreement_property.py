@@ -1,8 +1,9 @@
 """Property tests (issue 18): the grammar, ATOM's final validator and jsonschema agree.
 
 For schemas the preflight accepts (the JSON Schema Test Suite's, and small generated ones:
-objects, arrays, strings with enum/const/length/pattern/format, bounded integers and numbers
-with integer or decimal ``multipleOf``, booleans, nulls, anyOf) and instances (the suite's,
+objects, arrays, strings with enum/const/length/pattern/format, integers and numbers with
+inclusive or exclusive bounds and integer or decimal ``multipleOf``, booleans, nulls, anyOf,
+oneOf, allOf) and instances (the suite's,
 random ones built by walking a generated schema, and mutations of both):
 
 - the final validator (``answer_error``) gives the suite's verdict, or jsonschema's Draft
@@ -608,6 +609,7 @@ def test_mutated_suite_instances_agree(judges: Judges, suite_groups: list, data)
 
 # Numbers as a client's JSON spells them (floats where there is a fraction).
 MULTIPLES = [json.loads(t) for t in ("0.01", "0.1", "0.25", "0.5", "1", "2", "3", "7")]
+LOWER, UPPER = ("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")
 BOUNDS = [json.loads(t) for t in ("-50", "-10.5", "-1", "0", "0.3", "1", "2.75", "10", "50")]
 
 
@@ -615,8 +617,9 @@ BOUNDS = [json.loads(t) for t in ("-50", "-10.5", "-1", "0", "0.3", "1", "2.75",
 def _numeric_schemas(draw: st.DrawFn, kind: str) -> dict:
     schema: dict[str, Any] = {"type": kind}
     low, high = sorted(draw(st.lists(st.sampled_from(BOUNDS), min_size=2, max_size=2, unique=True)))
-    for key, bound in (("minimum", low), ("maximum", high)):
-        if draw(st.booleans()):
+    for keys, bound in ((LOWER, low), (UPPER, high)):
+        key = draw(st.sampled_from((*keys, None)), label="bound")
+        if key is not None:
             schema[key] = bound
     if draw(st.booleans()):
         schema["multipleOf"] = draw(
@@ -673,16 +676,21 @@ schemas = st.recursive(
     lambda inner: (
         _object_schemas(inner)
         | _array_schemas(inner)
-        | st.lists(inner, min_size=2, max_size=2).map(lambda two: {"anyOf": two})
+        | st.builds(
+            lambda key, two: {key: two},
+            st.sampled_from(["anyOf", "oneOf", "allOf"]),
+            st.lists(inner, min_size=2, max_size=2),
+        )
     ),
     max_leaves=4,
 )
 
 
 def _numbers(schema: dict) -> st.SearchStrategy:
-    """Numbers in the schema's closed bounds, multiples of its ``multipleOf`` if it has one."""
-    low = Decimal(repr(schema.get("minimum", -60)))
-    high = Decimal(repr(schema.get("maximum", 60)))
+    """Numbers in the schema's bounds taken as closed, multiples of its ``multipleOf`` if it
+    has one."""
+    low = Decimal(repr(next((schema[k] for k in LOWER if k in schema), -60)))
+    high = Decimal(repr(next((schema[k] for k in UPPER if k in schema), 60)))
     if "multipleOf" in schema:
         step = Decimal(repr(schema["multipleOf"]))
         first, last = math.ceil(low / step), math.floor(high / step)
@@ -694,9 +702,11 @@ def _numbers(schema: dict) -> st.SearchStrategy:
 
 
 def instances(schema: dict) -> st.SearchStrategy:
-    """Values built by walking a generated schema: valid, save an unsatisfiable corner."""
-    if "anyOf" in schema:
-        return st.one_of(*(instances(s) for s in schema["anyOf"]))
+    """Values built by walking a generated schema: mostly valid (not where an exclusive bound,
+    a second oneOf branch or another allOf member refuses them)."""
+    for key in ("anyOf", "oneOf", "allOf"):
+        if key in schema:
+            return st.one_of(*(instances(s) for s in schema[key]))
     if "const" in schema:
         return st.just(schema["const"])
     if "enum" in schema:
