@@ -465,15 +465,33 @@ def test_unsatisfiable_optional_property_is_accepted(judges: Judges) -> None:
         ({"type": "number", "exclusiveMaximum": -5, "multipleOf": 0.25}, Decimal("-5.5")),
         ({"type": "number", "maximum": 0.25, "multipleOf": 0.1}, Decimal("0.2")),
         ({"multipleOf": 0.1, "minimum": -0.75}, Decimal("-0.7")),
+        ({"multipleOf": 0.1, "minimum": -0.75}, "x"),  # bounds without a type bound numbers only
     ],
 )
 def test_bounded_decimal_multiple_of_admits_every_multiple(
-    judges: Judges, schema: dict, value: Decimal
+    judges: Judges, schema: dict, value: Any
 ) -> None:
     """llguidance 1.9.1's range regex refuses padded spellings beside some bounds (``-0.50``
     for minimum -1, ``2.50`` for maximum 2.5, ``0.2`` for maximum 0.25), the only ones a
     decimal divisor's numbers have; the lowering moves the bounds where it is exact."""
     assert judges.disagreement(schema, value, True, spaced=False) is None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the lowering moves bounds only beside a decimal multipleOf in the same schema "
+    "object; llguidance merges allOf members and $ref targets into one range, whose regex "
+    "drops -0.50 under minimum -1",
+)
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"allOf": [{"minimum": -1}, {"type": "number", "multipleOf": 0.25}]},
+        {"$defs": {"low": {"minimum": -1}}, "$ref": "#/$defs/low", "multipleOf": 0.25},
+    ],
+)
+def test_decimal_multiple_of_bounded_elsewhere(judges: Judges, schema: dict) -> None:
+    assert judges.disagreement(schema, Decimal("-0.5"), True, spaced=False) is None
 
 
 def test_unbounded_decimal_multiple_of_admits_negative_fractions(judges: Judges) -> None:
