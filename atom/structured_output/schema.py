@@ -1243,6 +1243,10 @@ def _check_compiles(lowered: str, kept_one_of: list[str], empty_numbers: list[st
             f"the schema admits no value: the numeric keywords here admit no number ({error})",
             empty_numbers[0],
         )
+    if error and error.startswith(_UNSATISFIABLE) and kept_one_of:
+        # llguidance names the first error it meets in key order: a rank compiling the same
+        # schema in another order may meet the oneOf instead; it refuses the schema either way.
+        raise SchemaError(f"the schema admits no value ({error})", "")
 
 
 def prepare_schema(schema: object) -> PreparedSchema:

@@ -548,6 +548,15 @@ def test_unlowerable_one_of_is_refused_at_preflight() -> None:
     assert info.value.pointer.startswith("/oneOf")
 
 
+def test_unsatisfiable_schema_with_a_kept_one_of_is_refused_at_preflight() -> None:
+    """llguidance reports the oneOf or the unsatisfiable property, whichever it meets first in
+    key order; the preflight refuses the schema either way, before any rank compiles it."""
+    one_of = {"oneOf": [{"type": "string"}, {"type": "string", "format": "date"}]}
+    schema = {"type": "object", "properties": {"b": one_of, "a": False}, "required": ["a"]}
+    with pytest.raises(SchemaError, match="admits no value"):
+        prepare_schema(schema)
+
+
 # -- mutations -------------------------------------------------------------------------------
 
 json_values = st.recursive(
