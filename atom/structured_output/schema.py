@@ -44,6 +44,7 @@ from atom.structured_output.regex import (
     compile_re2,
     not_string_regex,
     not_string_regex_len,
+    translate_schema_patterns,
 )
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -1221,15 +1222,18 @@ def _check_dialect(value: object, pointer: str) -> None:
         raise SchemaError(f"only JSON Schema draft 2020-12 is accepted, not {value!r}", pointer)
 
 
-def _check_compiles(lowered: str, kept_one_of: list[str], empty_numbers: list[str]) -> None:
+def _check_compiles(lowered: dict, kept_one_of: list[str], empty_numbers: list[str]) -> None:
     """The whole lowered schema, where a part of it is llguidance's to judge: a oneOf left to it
     compiles only where it proves the branches exclusive, and numbers that admit nothing leave
     the schema satisfiable only if it can do without them. A refusal names the pointer here,
-    before any rank compiles (llguidance's own error has none)."""
+    before any rank compiles (llguidance's own error has none). Compiled as a rank compiles it,
+    patterns translated and keys in order: llguidance names only the first error it meets, and
+    an untranslated ``[^]`` would hide the oneOf."""
     from llguidance import LLMatcher
 
     try:
-        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(lowered))
+        schema = json.dumps(translate_schema_patterns(lowered), ensure_ascii=False)
+        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema))
     except Exception as exc:  # noqa: BLE001 - any refusal is a refusal
         error = str(exc)
     if error and "oneOf" in error and kept_one_of:
@@ -1274,5 +1278,5 @@ def prepare_schema(schema: object) -> PreparedSchema:
         lowered = {"$defs": lowerer.defs, **lowered}
     text = json.dumps(lowered, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     if lowerer.kept_one_of or empty_numbers:
-        _check_compiles(text, lowerer.kept_one_of, empty_numbers)
+        _check_compiles(lowered, lowerer.kept_one_of, empty_numbers)
     return PreparedSchema(schema, lowered, hashlib.sha256(text.encode()).hexdigest())

@@ -548,13 +548,31 @@ def test_unlowerable_one_of_is_refused_at_preflight() -> None:
     assert info.value.pointer.startswith("/oneOf")
 
 
-def test_unsatisfiable_schema_with_a_kept_one_of_is_refused_at_preflight() -> None:
-    """llguidance reports the oneOf or the unsatisfiable property, whichever it meets first in
-    key order; the preflight refuses the schema either way, before any rank compiles it."""
+@pytest.mark.parametrize(
+    "other",
+    [{"not": {"const": "x"}}, {"type": "string", "pattern": "^[^]$"}],
+    ids=["not", "pattern"],
+)
+def test_one_of_beside_an_ecma_pattern_is_refused_at_preflight(other: dict) -> None:
+    """A pattern is compiled translated, as a rank compiles it: ``[^]`` (also what the
+    complement of a string literal is made of) untranslated hid the oneOf's refusal."""
     one_of = {"oneOf": [{"type": "string"}, {"type": "string", "format": "date"}]}
-    schema = {"type": "object", "properties": {"b": one_of, "a": False}, "required": ["a"]}
-    with pytest.raises(SchemaError, match="admits no value"):
-        prepare_schema(schema)
+    with pytest.raises(SchemaError, match="use anyOf") as info:
+        prepare_schema({"type": "object", "properties": {"a": other, "b": one_of}})
+    assert info.value.pointer == "/properties/b/oneOf"
+
+
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_unsatisfiable_schema_with_a_kept_one_of_is_refused_at_preflight(first: str) -> None:
+    """llguidance names the oneOf or the unsatisfiable required property, whichever comes first
+    in key order; the preflight refuses the schema either way, before any rank compiles it."""
+    one_of = {"oneOf": [{"type": "string"}, {"type": "string", "format": "date"}]}
+    properties = {"a": False, "b": one_of}
+    if first == "b":
+        properties = {"b": one_of, "a": False}
+    message = "admits no value" if first == "a" else "use anyOf"
+    with pytest.raises(SchemaError, match=message):
+        prepare_schema({"type": "object", "properties": properties, "required": ["a"]})
 
 
 # -- mutations -------------------------------------------------------------------------------
