@@ -26,6 +26,7 @@ import decimal
 import itertools
 import json
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from decimal import Decimal
@@ -192,7 +193,17 @@ _UNJUDGED = frozenset(("patternProperties", "propertyNames"))
 # Formats ATOM asserts that jsonschema checks by the same RFC rules (its email, hostname,
 # date-time, time, duration and uri checks are looser or need packages not installed).
 FORMATS = ("date", "ipv4", "ipv6", "uuid")
+UUID = re.compile("[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}")
 FORMAT_CHECKER = FormatChecker(FORMATS)
+
+
+@FORMAT_CHECKER.checks("uuid")
+def _is_uuid(instance: object) -> bool:
+    """RFC 4122's string form. jsonschema's check parses the hex with Python's ``int``, which
+    skips surrounding whitespace: it takes ``"2eb8aa08-aa98-11ea-b4aa-73b441d1638 "``."""
+    return not isinstance(instance, str) or UUID.fullmatch(instance) is not None
+
+
 FORMAT_VALUES = {
     "date": st.dates().map(str),
     "ipv4": st.ip_addresses(v=4).map(str),
@@ -438,6 +449,13 @@ def test_raw_del_in_a_string(judges: Judges) -> None:
 
 def test_escaped_del_in_a_string(judges: Judges) -> None:
     assert judges.accepts({"type": "string"}, '"\\u007f"')
+
+
+def test_uuid_with_a_space_for_a_digit_is_invalid() -> None:
+    """The final validator and the reference both refuse it (jsonschema's own check takes it)."""
+    schema, value = {"type": "string", "format": "uuid"}, "2eb8aa08-aa98-11ea-b4aa-73b441d1638 "
+    assert answer_error("json_schema", schema, json.dumps(value)) is not None
+    assert reference_valid(schema, value) is False
 
 
 def test_unsatisfiable_optional_property_is_accepted(judges: Judges) -> None:
