@@ -8,7 +8,8 @@ narrower than the schema (fixed property order, no ``1.0`` for integers), never 
 Passed through: type, const, enum, numeric bounds, multipleOf, length/count bounds, pattern,
 the formats llguidance enforces, properties, patternProperties, additionalProperties, required,
 prefixItems, items, allOf/anyOf/oneOf, local $ref (as ``$defs`` entries, recursion kept).
-Lowered: ``not`` (exact complements of types, bounds, counts, required/properties, prefixItems,
+Lowered: bounds beside a decimal ``multipleOf`` (onto the first and past the last multiple, split
+at zero: llguidance's range regex drops padded spellings there), ``not`` (exact complements of types, bounds, counts, required/properties, prefixItems,
 literals incl. strings, arrays and objects; otherwise a finite enumeration of the siblings),
 ``if``/``then``/``else`` (complemented guard, else finite enumeration), ``oneOf`` (anyOf when
 the branches are provably disjoint, else A and not-B when complements exist), dependentRequired/dependentSchemas, uniqueItems (finite item
@@ -28,15 +29,22 @@ import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from atom.structured_output.formats import CHECKERS
-from atom.structured_output.json_validator import IN_PLACE, make_registry, re2_validator
+from atom.structured_output.json_validator import (
+    IN_PLACE,
+    exact_json,
+    make_registry,
+    re2_validator,
+)
 from atom.structured_output.regex import (
     RegexError,
     compile_re2,
     not_string_regex,
     not_string_regex_len,
+    translate_schema_patterns,
 )
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -703,6 +711,7 @@ class _Lowerer:
                 raise SchemaError("$dynamicRef is not supported", at)
             elif key == "x-guidance":
                 raise SchemaError("x-guidance compiler options are not accepted", at)
+        _bound_multiples(out)
         self._dependent(node, pointer, resolver, extra)
         self._contains(node, pointer, resolver, out, extra)
         self._unevaluated(node, pointer, resolver, out, extra)
@@ -1121,6 +1130,78 @@ def _inexact_interval(node: dict, defs: dict | None = None) -> bool:
     return False
 
 
+def _multiple_range(out: dict) -> tuple[Fraction, int | None, int | None] | None:
+    """(divisor, first k, last k) of the multiples ``k * divisor`` that the bounds of a number
+    node with a non-integral ``multipleOf`` admit (None: unbounded on that side), in exact
+    fractions; None when the node has no such divisor and bound, or admits no multiple (left
+    to ``_check_numbers``)."""
+    divisor = out.get("multipleOf")
+    types = _types(out.get("type", "number"))
+    if not _is_number(divisor) or _is_int(divisor) or "number" not in types:
+        return None
+    bounds = {k: Fraction(exact_json(out[k])) for k in _NUMBERS if _is_number(out.get(k))}
+    if not bounds:
+        return None
+    step = Fraction(exact_json(divisor))
+    lows = [math.ceil(bounds["minimum"] / step)] if "minimum" in bounds else []
+    highs = [math.floor(bounds["maximum"] / step)] if "maximum" in bounds else []
+    if "exclusiveMinimum" in bounds:
+        lows.append(math.floor(bounds["exclusiveMinimum"] / step) + 1)
+    if "exclusiveMaximum" in bounds:
+        highs.append(math.ceil(bounds["exclusiveMaximum"] / step) - 1)
+    first, last = max(lows, default=None), min(highs, default=None)
+    if first is not None and last is not None and first > last:
+        return None
+    return step, first, last
+
+
+def _exact_bound(value: Fraction) -> int | float | None:
+    """``value`` as a JSON number that llguidance (a 64-bit float) and the final validator
+    (its shortest decimal) both read exactly, or None."""
+    if value.denominator == 1:
+        return int(value) if int(value) in BOUND_INTEGERS else None
+    as_float = float(value)
+    return as_float if Fraction(exact_json(as_float)) == value else None
+
+
+def _bound_multiples(out: dict) -> None:
+    """Replace the bounds beside a decimal ``multipleOf`` by exact ones llguidance 1.9.1 spells
+    every multiple under. Its range regex drops padded spellings (``-0.50`` for minimum -1,
+    ``2.50`` for maximum 2.5, ``1.50`` for exclusiveMinimum 1), and a decimal divisor's numbers
+    have only that spelling. It is exact on an inclusive lower and an exclusive upper end of a
+    non-negative range, mirrored for a negative one, so the bounds move onto the first multiple
+    and the one past the last, in a negative and a non-negative branch: a range across zero is
+    one regex with an exclusive end at zero on the negative side. Left alone where a new bound
+    would be rounded as a 64-bit float."""
+    found = _multiple_range(out)
+    if found is None:
+        return
+    step, first, last = found
+    branches = []
+    if first is None or first < 0:
+        top = -1 if last is None else min(last, -1)
+        branch = {"maximum": top * step}
+        if first is not None:
+            branch["exclusiveMinimum"] = (first - 1) * step
+        branches.append(branch)
+    if last is None or last >= 0:
+        branch = {"minimum": (0 if first is None else max(first, 0)) * step}
+        if last is not None:
+            branch["exclusiveMaximum"] = (last + 1) * step
+        branches.append(branch)
+    exact = [{k: _exact_bound(v) for k, v in b.items()} for b in branches]
+    if any(v is None for b in exact for v in b.values()):
+        return
+    for key in _NUMBERS:
+        out.pop(key, None)
+    if len(exact) == 1:
+        out.update(exact[0])
+    elif "anyOf" in out:
+        out.setdefault("allOf", []).append({"anyOf": exact})
+    else:
+        out["anyOf"] = exact
+
+
 def _types(value: str | list) -> list[str]:
     return value if isinstance(value, list) else [value]
 
@@ -1141,15 +1222,18 @@ def _check_dialect(value: object, pointer: str) -> None:
         raise SchemaError(f"only JSON Schema draft 2020-12 is accepted, not {value!r}", pointer)
 
 
-def _check_compiles(lowered: str, kept_one_of: list[str], empty_numbers: list[str]) -> None:
+def _check_compiles(lowered: dict, kept_one_of: list[str], empty_numbers: list[str]) -> None:
     """The whole lowered schema, where a part of it is llguidance's to judge: a oneOf left to it
     compiles only where it proves the branches exclusive, and numbers that admit nothing leave
     the schema satisfiable only if it can do without them. A refusal names the pointer here,
-    before any rank compiles (llguidance's own error has none)."""
+    before any rank compiles (llguidance's own error has none). Compiled as a rank compiles it,
+    patterns translated and keys in order: llguidance names only the first error it meets, and
+    an untranslated ``[^]`` would hide the oneOf."""
     from llguidance import LLMatcher
 
     try:
-        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(lowered))
+        schema = json.dumps(translate_schema_patterns(lowered), ensure_ascii=False)
+        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema))
     except Exception as exc:  # noqa: BLE001 - any refusal is a refusal
         error = str(exc)
     if error and "oneOf" in error and kept_one_of:
@@ -1163,6 +1247,10 @@ def _check_compiles(lowered: str, kept_one_of: list[str], empty_numbers: list[st
             f"the schema admits no value: the numeric keywords here admit no number ({error})",
             empty_numbers[0],
         )
+    if error and error.startswith(_UNSATISFIABLE) and kept_one_of:
+        # llguidance names the first error it meets in key order: a rank compiling the same
+        # schema in another order may meet the oneOf instead; it refuses the schema either way.
+        raise SchemaError(f"the schema admits no value ({error})", "")
 
 
 def prepare_schema(schema: object) -> PreparedSchema:
@@ -1190,5 +1278,5 @@ def prepare_schema(schema: object) -> PreparedSchema:
         lowered = {"$defs": lowerer.defs, **lowered}
     text = json.dumps(lowered, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     if lowerer.kept_one_of or empty_numbers:
-        _check_compiles(text, lowerer.kept_one_of, empty_numbers)
+        _check_compiles(lowered, lowerer.kept_one_of, empty_numbers)
     return PreparedSchema(schema, lowered, hashlib.sha256(text.encode()).hexdigest())
