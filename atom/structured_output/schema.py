@@ -8,9 +8,10 @@ narrower than the schema (fixed property order, no ``1.0`` for integers), never 
 Passed through: type, const, enum, numeric bounds, multipleOf, length/count bounds, pattern,
 the formats llguidance enforces, properties, patternProperties, additionalProperties, required,
 prefixItems, items, allOf/anyOf/oneOf, local $ref (as ``$defs`` entries, recursion kept).
-Lowered: bounds beside a decimal ``multipleOf`` (onto the first and past the last multiple, split
-at zero: llguidance's range regex drops padded spellings there), ``not`` (exact complements of types, bounds, counts, required/properties, prefixItems,
-literals incl. strings, arrays and objects; otherwise a finite enumeration of the siblings),
+Lowered: bounds beside a decimal ``multipleOf`` (onto the first and past the last multiple,
+split at zero: llguidance's range regex drops padded spellings there), ``not`` (exact
+complements of types, bounds, counts, required/properties, prefixItems, literals incl. strings,
+arrays and objects; otherwise a finite enumeration of the siblings),
 ``if``/``then``/``else`` (complemented guard, else finite enumeration), ``oneOf`` (anyOf when
 the branches are provably disjoint, else A and not-B when complements exist), dependentRequired/dependentSchemas, uniqueItems (finite item
 domains), contains/minContains/maxContains (bounded arrays), propertyNames (closed, finite,
