@@ -180,14 +180,18 @@ class ToolParser(ABC):
             if k == len(self._open):
                 if name not in self.tools or not self._fits(1):
                     break  # left to the envelope's close: text, as an unfinished one is
-                self._open.append(_Open(self._started, name))
-                self._started += 1
-                out.append(CallStart(self._open[k].index, name))
+                out.append(self._begin(name))
             call = self._open[k]
             if len(text) > len(call.streamed) and text.startswith(call.streamed):
                 out.append(ArgumentsDelta(call.index, text[len(call.streamed) :]))
                 call.streamed = text
         return out
+
+    def _begin(self, name: str) -> CallStart:
+        """Open the response's next call, of the tool ``name``."""
+        self._open.append(_Open(self._started, name))
+        self._started += 1
+        return CallStart(self._open[-1].index, name)
 
     def _fits(self, more: int) -> bool:
         return self.max_calls is None or self._started + more <= self.max_calls
@@ -215,9 +219,7 @@ class ToolParser(ABC):
             )
         for k, call in enumerate(calls):
             if k == len(self._open):
-                self._open.append(_Open(self._started, call.name))
-                self._started += 1
-                out.append(CallStart(self._open[k].index, call.name))
+                out.append(self._begin(call.name))
             rest = call.arguments[len(self._open[k].streamed) :]
             if rest:
                 out.append(ArgumentsDelta(self._open[k].index, rest))
