@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu_suite.sh check    (GPU tests and compute-sanitizer, about 9 minutes)
 #   bash benchmarks/gpu_suite.sh grammar  (grammar process on/off profile and structured
 #                                          overhead; about 6 minutes)
-#   bash benchmarks/gpu_suite.sh racecheck (racecheck per engine variant under a host-memory
-#                                          watchdog, then on each of ATOM's kernels; ~8 minutes)
+#   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
+#                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -64,19 +64,23 @@ watched() {  # watched GIB COMMAND...: kill COMMAND's tree past GIB of host RSS;
     return $rc
 }
 racecheck() {
-    for variant in ${RACE_VARIANTS-}; do  # whole-engine racecheck: over 70 s a variant
-        step race_$variant 70 bash -c "$(declare -f watched); watched 40 compute-sanitizer \
-            --tool racecheck --print-limit 20 python3 benchmarks/sanitize_engine.py cuda $variant"
+    # Bf16 engine runs under racecheck end in "Internal Sanitizer Error" at the first forward,
+    # whichever of ATOM's kernels is instrumented (2026-12-02): probe a cuBLAS GEMM alone in
+    # bf16 and fp32, then check the engine's variants in float32.
+    for probe in add rms_norm matmul_fp32 matmul_bf16; do
+        step race_probe_$probe 40 compute-sanitizer --tool racecheck --print-limit 20 \
+            python3 benchmarks/racecheck_probe.py $probe
     done
-    # CUDA graph capture under racecheck ends in "Internal Sanitizer Error" (2026-12-02), and so
-    # does the eager path with all of ATOM's kernels instrumented: one kernel per run tells
-    # which launch the sanitizer fails on.
-    for kernel in ${RACE_KERNELS-_rms_norm _rotary _silu _store_kv _attention_kernel _merge_splits \
-            _bitmask_kernel}; do
-        step race_kernel$kernel 60 bash -c "$(declare -f watched); watched 40 compute-sanitizer \
-            --tool racecheck --print-limit 20 --kernel-name kns=$kernel \
-            python3 benchmarks/sanitize_engine.py cuda ${RACE_OWN_VARIANT:-eager-async}"
+    local own="_attention_kernel|_merge_splits|_store_kv|_bitmask_kernel|_rms_norm|_rotary|_silu"
+    for variant in ${RACE_VARIANTS-eager-async graphs-async}; do
+        step race_fp32_$variant 110 bash -c "$(declare -f watched); watched 40 compute-sanitizer \
+            --tool racecheck --print-limit 20 \
+            --kernel-regex kns='$own' \
+            python3 benchmarks/sanitize_engine.py cuda $variant float32"
     done
+    step race_fp32_all_eager-async 170 bash -c "$(declare -f watched); watched 40 \
+        compute-sanitizer --tool racecheck --print-limit 20 \
+        python3 benchmarks/sanitize_engine.py cuda eager-async float32"
 }
 "${1:?bench, check, grammar or racecheck}"
 tail -n 200 $out/summary.log

@@ -1,9 +1,11 @@
 """Is a racecheck failure ATOM's or the sanitizer's? One kernel per run under racecheck:
 
-    compute-sanitizer --tool racecheck python benchmarks/racecheck_probe.py add|sum|rms_norm
+    compute-sanitizer --tool racecheck python benchmarks/racecheck_probe.py WHICH
 
 `add` is a Triton vector add (no shared memory), `sum` a Triton row reduction (shared memory),
-`rms_norm` ATOM's fused kernel. Exits 0 when the kernel's result is right.
+`rms_norm` ATOM's fused kernel, `matmul_bf16` and `matmul_fp32` a cuBLAS GEMM of the tiny test
+model's shape (bf16 takes Hopper's tensor-core kernels, fp32 without TF32 the plain ones).
+Exits 0 when the result is right.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ def main(which: str) -> None:
         out = torch.empty(64, device="cuda")
         _row_sum[(64,)](x, out, 2048, BLOCK=2048)
         torch.testing.assert_close(out, x.sum(1), rtol=1e-4, atol=1e-3)
+    elif which.startswith("matmul"):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        dtype = torch.bfloat16 if which == "matmul_bf16" else torch.float32
+        a, b = x[:20, :64].to(dtype), torch.randn(64, 192, device="cuda", dtype=dtype)
+        torch.testing.assert_close(a @ b, (a.double() @ b.double()).to(dtype), rtol=2e-2, atol=2e-2)
     else:
         from atom.model_ops.fused_kernels import rms_norm
 

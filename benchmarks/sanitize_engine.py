@@ -6,6 +6,7 @@ Llama (the tests' checkpoint) so that the checked run stays short.
     compute-sanitizer --tool racecheck python benchmarks/sanitize_engine.py
     python benchmarks/sanitize_engine.py cpu      # the same run on CPU (no sanitizer)
     python benchmarks/sanitize_engine.py cuda graphs-sync   # one variant alone, no comparison
+    python benchmarks/sanitize_engine.py cuda graphs-sync float32   # ... in float32
 
 A variant alone (eager-sync, eager-async, graphs-sync, graphs-async) tells which part of the
 engine a sanitizer's failure belongs to.
@@ -56,9 +57,9 @@ def tiny_model(folder: Path) -> Path:
     return folder
 
 
-def run(model: Path, device: str, **variant) -> list:
+def run(model: Path, device: str, dtype: torch.dtype | None = None, **variant) -> list:
     # A cache of 14 blocks of 16 tokens for 6 requests of 5-6 blocks each: preemption.
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     block_bytes = 2 * 2 * 16 * 2 * 16 * dtype.itemsize
     llm = LLM(str(model), device=device, dtype=str(dtype).removeprefix("torch."),
               kv_cache_bytes=14 * block_bytes, max_num_seqs=8, **variant)  # fmt: skip
@@ -86,7 +87,8 @@ def main() -> None:
         model = tiny_model(Path(tmp))
         device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
         if len(sys.argv) > 2:
-            run(model, device, **VARIANTS[sys.argv[2]])
+            dtype = getattr(torch, sys.argv[3]) if len(sys.argv) > 3 else None
+            run(model, device, dtype, **VARIANTS[sys.argv[2]])
             return
         checked = run(model, device, enforce_eager=False, async_scheduling=True)
         reference = run(model, device, enforce_eager=True, async_scheduling=False)
