@@ -88,7 +88,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=get_args(SpeculativeMethod),
         default=None,
         help="speculative decoding: drafts from n-gram lookup in the sequence or from a draft "
-        "model, verified by one target forward (schedules synchronously)",
+        "model, verified by one target forward (a draft model schedules synchronously)",
     )
     g.add_argument(
         "--num-speculative-tokens",

@@ -82,8 +82,9 @@ class EngineConfig:
     # profile_step_cuda_grammar_process_{on,off}.json): llguidance's own work bounds the step.
     structured_output_grammar_process: bool = False
     # Speculative decoding: up to `num_speculative_tokens` drafts per sequence and step, verified
-    # by one target forward (model_ops/rejection_sampler.py). It schedules synchronously: the
-    # next drafts need the tokens this step accepted.
+    # by one target forward (model_ops/rejection_sampler.py). N-gram lookup keeps asynchronous
+    # scheduling (drafts proposed a step ahead, positions corrected on the device); a draft model
+    # schedules synchronously: its next drafts need the tokens this step accepted.
     speculative_method: SpeculativeMethod | None = None
     num_speculative_tokens: int = 0
     speculative_model: str | None = None  # the draft model's folder (speculative_method "draft")
@@ -147,7 +148,8 @@ class EngineConfig:
             raise ValueError("speculative decoding needs num_speculative_tokens >= 1")
         if (method == "draft") != (self.speculative_model is not None):
             raise ValueError("speculative_model is the draft model of speculative_method 'draft'")
-        self.async_scheduling = False  # drafts are proposed from the tokens just read
+        if method == "draft":
+            self.async_scheduling = False  # the draft model reads the tokens just accepted
 
 
 @dataclass

@@ -6,6 +6,9 @@ schema of its answer's shape. Settings, run back to back in interleaved repeats:
 
 - `plain`: no speculation (the reference: every setting's greedy tokens must equal its own);
 - `ngram`: n-gram prompt lookup, `--num-speculative-tokens` drafts;
+- `plain-async`, `ngram-async`: the same with asynchronous scheduling (the others schedule
+  synchronously; n-gram drafts are then proposed a step ahead, before the step in flight is
+  read, and its accepted count moves the next step's positions on the device);
 - `draft`: a draft model (`--draft-model`; default: the target itself, which shows the
   machinery's ceiling: nearly every draft is accepted, and a step costs the target's verification
   plus k draft forwards of the same size; `--random-draft`: a random-weight 2-layer model of the
@@ -59,12 +62,14 @@ def make_engine(args: argparse.Namespace, setting: str) -> Any:
     from atom.config import EngineConfig
     from atom.model_engine.llm_engine import LLMEngine
 
+    method, _, scheduling = setting.partition("-")
     spec: dict[str, Any] = {}
-    if setting != "plain":
-        spec = {"speculative_method": setting, "num_speculative_tokens": args.k}
-    if setting == "draft":
+    if method != "plain":
+        spec = {"speculative_method": method, "num_speculative_tokens": args.k}
+    if method == "draft":
         spec["speculative_model"] = args.draft_model or args.model
-    kw = dict(model=args.model, device=args.device, max_model_len=1024, async_scheduling=False)
+    kw = dict(model=args.model, device=args.device, max_model_len=1024)
+    kw["async_scheduling"] = scheduling == "async"
     if args.device == "cuda":  # three engines share one GPU
         kw["kv_cache_bytes"] = 2 << 30
     return LLMEngine(EngineConfig(**kw, **spec))
@@ -176,12 +181,12 @@ def summarize(raw: dict[str, dict[str, list[dict]]]) -> dict:
 
 def print_table(rows: dict) -> None:
     print(
-        f"{'setting/kind':<14}{'TPOT ms':>9}{'batch tok/step':>16}{'accept':>8}{'grammar ms':>12}  same"
+        f"{'setting/kind':<18}{'TPOT ms':>9}{'batch tok/step':>16}{'accept':>8}{'grammar ms':>12}  same"
     )
     for name, r in rows.items():
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         print(
-            f"{name:<14}{r['tpot_ms']:>9.1f}{r['tokens_per_step']:>16.2f}{acc:>8}"
+            f"{name:<18}{r['tpot_ms']:>9.1f}{r['tokens_per_step']:>16.2f}{acc:>8}"
             f"{r['grammar_ms_per_step']:>12.2f}  {r['same_tokens_as_plain']}"
         )
 
@@ -239,7 +244,7 @@ def main() -> None:
         args.draft_model = str(draft)
     from tqdm import tqdm
 
-    settings = ("plain", "ngram", "draft")
+    settings = ("plain", "plain-async", "ngram", "ngram-async", "draft")
     engines = {s: make_engine(args, s) for s in settings}
     requests = {s: requests_for(e, args) for s, e in engines.items()}
     timers = {s: grammar_timer(e) for s, e in engines.items()}

@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_suite.sh check    (GPU tests and compute-sanitizer, about 9 minutes)
 #   bash benchmarks/gpu_suite.sh grammar  (grammar process on/off profile and structured
 #                                          overhead; about 6 minutes)
+#   bash benchmarks/gpu_suite.sh spec     (GPU tests, bench_spec_decode, memcheck of asynchronous
+#                                          speculative decoding; about 10 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -34,7 +36,8 @@ bench() {
         --model /tmp/atom-random-llama-1b-129k --out $out
 }
 check() {
-    step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests
+    step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
+        --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
     step memcheck 120 compute-sanitizer --tool memcheck --print-limit 20 \
         python3 benchmarks/sanitize_engine.py
     step racecheck 200 compute-sanitizer --tool racecheck --print-limit 20 \
@@ -82,5 +85,13 @@ racecheck() {
         compute-sanitizer --tool racecheck --print-limit 20 \
         python3 benchmarks/sanitize_engine.py cuda eager-async float32"
 }
-"${1:?bench, check, grammar or racecheck}"
+spec() {  # asynchronous speculative decoding: GPU tests, benchmark, both sanitizers
+    step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
+        --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
+    step spec_decode 230 python3 benchmarks/bench_spec_decode.py --device cuda --tag _cuda \
+        --model /tmp/atom-random-llama-1b-129k --max-tokens 64 --out $out
+    step memcheck_ngram 110 compute-sanitizer --tool memcheck --print-limit 20 \
+        python3 benchmarks/sanitize_engine.py cuda graphs-async-ngram
+}
+"${1:?bench, check, grammar, racecheck or spec}"
 tail -n 200 $out/summary.log

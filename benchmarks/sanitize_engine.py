@@ -8,8 +8,8 @@ Llama (the tests' checkpoint) so that the checked run stays short.
     python benchmarks/sanitize_engine.py cuda graphs-sync   # one variant alone, no comparison
     python benchmarks/sanitize_engine.py cuda graphs-sync float32   # ... in float32
 
-A variant alone (eager-sync, eager-async, graphs-sync, graphs-async) tells which part of the
-engine a sanitizer's failure belongs to.
+A variant alone (eager-sync, eager-async, graphs-sync, graphs-async, graphs-async-ngram) tells
+which part of the engine a sanitizer's failure belongs to.
 
 Needs the SmolLM2 tokenizer: the embedded model, or ATOM_TEST_TOKENIZER_DIR (a saved copy).
 Exits non-zero when an output differs from the synchronous eager run or an answer is invalid.
@@ -79,6 +79,12 @@ VARIANTS = {
     f"{graphs}-{mode}": {"enforce_eager": graphs == "eager", "async_scheduling": mode == "async"}
     for graphs in ("eager", "graphs")
     for mode in ("sync", "async")
+}
+# Asynchronous speculative decoding: n-gram drafts verified in CUDA graphs, the next step's
+# positions moved on the device by the drafts the step in flight accepts.
+VARIANTS["graphs-async-ngram"] = VARIANTS["graphs-async"] | {
+    "speculative_method": "ngram",
+    "num_speculative_tokens": 3,
 }
 
 

@@ -49,6 +49,7 @@ class DeferredOutput:
         self.seq_ids = seq_ids  # host mirror: row i was sampled for sequence seq_ids[i]
         self.rows = {seq_id: i for i, seq_id in enumerate(seq_ids)}
         self.token_ids = token_ids  # [R] on the device, read by the next step's inputs
+        self.next_input_ids = token_ids
         self.errors = errors
         self.num_logprobs = num_logprobs
         tensors = [token_ids]
@@ -71,6 +72,10 @@ class DeferredOutput:
 
     def token_of(self, seq_id: int) -> int:
         return self.host_token_ids()[self.rows[seq_id]]
+
+    def tokens_of(self, seq_id: int) -> list[int]:
+        """What the sequence's placeholder stands for (one token; a verification's: several)."""
+        return [self.token_of(seq_id)]
 
     def result(self) -> RunnerOutput:
         ids = self.host_token_ids()
@@ -105,18 +110,43 @@ def _copy_to_host(
 
 
 class VerifiedOutput:
-    """The output of a step that verified drafts (speculative decoding, synchronous scheduling):
-    per sequence the tokens `rejection_sample` emitted, read with one host copy in `result`."""
+    """The output of a step that verified drafts (speculative decoding): per sequence the tokens
+    `rejection_sample` emitted. As a `DeferredOutput`, it stays on the device for the next
+    step's inputs (its last emitted token, and how many drafts it accepted: the next step's
+    positions) and is copied to pinned host memory on the side stream; `result` waits only for
+    that copy."""
 
-    def __init__(self, seq_ids: list[int], verification: Verification, errors: dict[int, str]):
+    def __init__(
+        self,
+        seq_ids: list[int],
+        verification: Verification,
+        errors: dict[int, str],
+        copy_stream: torch.cuda.Stream | None = None,
+    ):
         self.seq_ids = seq_ids
-        self.verification = verification
+        self.rows = {seq_id: i for i, seq_id in enumerate(seq_ids)}
         self.errors = errors
+        self.num_accepted = verification.num_accepted  # [N] on the device
+        emitted = verification.token_ids
+        self.next_input_ids = emitted.gather(1, self.num_accepted.unsqueeze(1)).squeeze(1)
+        self._host, self._ready = _copy_to_host([emitted, self.num_accepted], copy_stream)
+        self._emitted: list[list[int]] | None = None
+
+    def emitted(self) -> list[list[int]]:
+        """Per sequence its emitted tokens (waits for this step's copy the first time)."""
+        if self._emitted is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            rows, accepted = (t.tolist() for t in self._host)
+            self._emitted = [row[: n + 1] for row, n in zip(rows, accepted, strict=True)]
+        return self._emitted
+
+    def tokens_of(self, seq_id: int) -> list[int]:
+        return self.emitted()[self.rows[seq_id]]
 
     def result(self) -> RunnerOutput:
-        emitted, _ = self.verification.tolist()
         out = RunnerOutput({}, {}, self.errors)
-        for seq_id, tokens in zip(self.seq_ids, emitted, strict=True):
+        for seq_id, tokens in zip(self.seq_ids, self.emitted(), strict=True):
             if seq_id in self.errors:
                 continue
             out.token_ids[seq_id] = tokens[0]

@@ -13,6 +13,12 @@ previous one's sampled ids on the device (`deferred_output`). A request that sto
 the host sees only in the output has one more token in flight: it is dropped, never emitted.
 Synchronous scheduling reads each batch's output right after submitting it.
 
+Speculative decoding with asynchronous scheduling (n-gram drafts): once a batch is queued, the
+next drafts of its sequences are proposed as if it accepted all of its drafts; the next batch is
+scheduled as if it accepted none (`Sequence.unread_drafts` reserves blocks for the rest), and
+the model runner moves each sequence's rows on by what it did accept, on the device. Reading it
+then inserts its emitted tokens before the next batch's placeholder.
+
 Structured output: a constrained request waits in the scheduler until every rank has bound its
 grammar. Each step, while such requests wait, one collective RPC (`structured_output_prepare`)
 asks the ranks; a rank binds a request's own matcher as soon as its grammar is compiled (in that
@@ -131,6 +137,8 @@ class EngineCore:
             outputs += failed
             if submitted:
                 self._in_flight = batch
+                if self.config.speculative_method is not None:
+                    outputs += self._propose(batch)
         elif submitted:
             outputs += self._read(batch)
             if self.config.speculative_method is not None:
@@ -180,7 +188,7 @@ class EngineCore:
         more = result.more_token_ids
         outputs = [
             self._process(seq, token, result.logprobs.get(seq.seq_id), more.get(seq.seq_id))
-            for seq, token in self.scheduler.update(batch, result.token_ids)
+            for seq, token in self.scheduler.update(batch, result.token_ids, more)
         ]
         if result.errors:  # structured-output failures end only their own requests
             for seq in batch.seqs:
@@ -190,16 +198,24 @@ class EngineCore:
         return outputs
 
     def _propose(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """Speculative decoding: the next drafts of the batch's sequences that just sampled."""
-        seqs = [s for s, samples in zip(batch.seqs, batch.sampling, strict=True) if samples]
-        seqs = [s for s in seqs if not s.is_finished]
+        """Speculative decoding: the next drafts of the batch's sequences that sampled (with
+        asynchronous scheduling the batch is still in flight: drafts for the step after it)."""
+        rows = [
+            (s, d)
+            for s, samples, d in zip(batch.seqs, batch.sampling, batch.draft_token_ids, strict=True)
+            if samples and not s.is_finished
+        ]
+        seqs = [s for s, _ in rows]
+        in_flight = None
+        if self.config.async_scheduling:  # drafts that follow a rejected one: likely wrong
+            in_flight = [[] if s.drafts_missed else d for s, d in rows]
         max_drafts = [self.config.num_speculative_tokens] * len(seqs)
         if self.config.speculative_method == "draft":
             seqs, max_drafts = self._reserve_draft_slots(seqs)
         if not seqs:
             return []
         try:
-            drafts = self.executor.propose_drafts(seqs, max_drafts)
+            drafts = self.executor.propose_drafts(seqs, max_drafts, in_flight)
         except Exception as e:  # noqa: BLE001 - fail these requests, keep serving
             logger.exception("draft proposal failed")
             return [self._fail(seq, repr(e)) for seq in seqs]

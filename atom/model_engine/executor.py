@@ -31,10 +31,15 @@ class Executor(ABC):
         """Queue the sampling of the newest step if it waited for its grammar rows."""
         self.collective_rpc("complete_submission")
 
-    def propose_drafts(self, seqs: list[Sequence], max_drafts: list[int]) -> dict[int, list[int]]:
+    def propose_drafts(
+        self,
+        seqs: list[Sequence],
+        max_drafts: list[int],
+        in_flight: list[list[int]] | None = None,
+    ) -> dict[int, list[int]]:
         """Speculative decoding: next drafts by sequence id (rank 0's; every rank proposes the
         same from the same tokens)."""
-        return self.collective_rpc("propose_drafts", seqs, max_drafts)[0]
+        return self.collective_rpc("propose_drafts", seqs, max_drafts, in_flight)[0]
 
     def take_output(self) -> RunnerOutput:
         """The oldest submitted step's output (rank 0's: every rank samples the same ids)."""

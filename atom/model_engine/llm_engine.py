@@ -149,8 +149,11 @@ class LLMEngine:
         self.check_health()
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        if params.logprobs is not None and self.config.speculative_method is not None:
-            raise ValueError("logprobs are not available with speculative decoding")
+        if self.config.speculative_method is not None:
+            if params.logprobs is not None:
+                raise ValueError("logprobs are not available with speculative decoding")
+            if params.penalized:
+                raise ValueError("penalties are not available with speculative decoding")
         vocab = self.hf_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")

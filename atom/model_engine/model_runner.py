@@ -271,7 +271,12 @@ class ModelRunner:
         if step.drafts is not None:
             assert self.speculator is not None
             sampling = self._sampling_tensors(step.seqs)
-            return self.speculator.verify(step.logits, step.seqs, step.drafts, sampling, errors)
+            verified = self.speculator.verify(
+                step.logits, step.seqs, step.drafts, sampling, errors, self.copy_stream
+            )
+            for seq in step.seqs:
+                self._sampled_in[seq.seq_id] = verified
+            return verified
         token_ids = self.sampler(step.logits, self._sampling_tensors(step.seqs))
         logprobs = None
         if step.raw_logprobs is not None:
@@ -288,7 +293,7 @@ class ModelRunner:
         placeholder becomes the token this rank sampled for it, read from its step's host copy
         (which may wait for that copy, on that thread). The steps are looked up here, now."""
         seq_ids = {s.request_id: s.seq_id for s in batch.seqs}
-        known: list[tuple[GrammarUpdate, DeferredOutput | None]] = []
+        known: list[tuple[GrammarUpdate, DeferredOutput | VerifiedOutput | None]] = []
         for u in batch.grammar_updates:
             source = None
             if PLACEHOLDER in u.new_token_ids:
@@ -299,19 +304,26 @@ class ModelRunner:
             updates = []
             for u, source in known:
                 if source is not None:
-                    token = source.token_of(seq_ids[u.request_id])
-                    u = GrammarUpdate(
-                        u.request_id, [token if t == PLACEHOLDER else t for t in u.new_token_ids]
-                    )
+                    sampled = source.tokens_of(seq_ids[u.request_id])
+                    tokens = [
+                        x for t in u.new_token_ids for x in (sampled if t == PLACEHOLDER else (t,))
+                    ]
+                    u = GrammarUpdate(u.request_id, tokens)
                 updates.append(u)
             return updates
 
         return resolve
 
-    def propose_drafts(self, seqs: list[Sequence], max_drafts: list[int]) -> dict[int, list[int]]:
-        """Speculative decoding: each sequence's drafts for its next step, by sequence id."""
+    def propose_drafts(
+        self,
+        seqs: list[Sequence],
+        max_drafts: list[int],
+        in_flight: list[list[int]] | None = None,
+    ) -> dict[int, list[int]]:
+        """Speculative decoding: each sequence's drafts for its next step, by sequence id
+        (`in_flight`: asynchronous scheduling, see `Speculator.propose`)."""
         assert self.speculator is not None
-        return self.speculator.propose(seqs, max_drafts)
+        return self.speculator.propose(seqs, max_drafts, in_flight)
 
     # ---- structured-output RPCs, answered by this rank's StructuredOutputWorker ---------------
 
@@ -350,7 +362,7 @@ class ModelRunner:
         step = build_step_inputs(batch, self.block_size, size or n, pin)
         rows = step.sample_rows.to(self.device, non_blocking=True)
         input_ids = step.input_ids.to(self.device, non_blocking=True)
-        self._fill_placeholders(input_ids, step)
+        self._fill_placeholders(input_ids, step)  # may move some of `step` to the device
         if size is not None:
             return self.graphs.replay(step, input_ids), rows
         if verify is not None:
@@ -381,16 +393,50 @@ class ModelRunner:
 
     def _fill_placeholders(self, input_ids: torch.Tensor, step: StepInputs) -> None:
         """Inputs the host has not read yet: each is copied on the device from the step that
-        sampled it, at rows the host knows (no device-to-host read)."""
-        sources: dict[int, tuple[DeferredOutput, list[int], list[int]]] = {}
-        for row, seq_id in zip(step.placeholder_rows, step.placeholder_seq_ids, strict=True):
+        sampled it, at rows the host knows (no device-to-host read). A verification's
+        sequences also move on the device by the drafts it accepted (`_shift_rows`)."""
+        Source = DeferredOutput | VerifiedOutput
+        sources: dict[int, tuple[Source, list[int], list[int], list[int]]] = {}
+        for row, seq_id, index in zip(
+            step.placeholder_rows, step.placeholder_seq_ids, step.placeholder_seqs, strict=True
+        ):
             out = self._sampled_in[seq_id]
-            _, dst, src = sources.setdefault(id(out), (out, [], []))
+            _, dst, src, owners = sources.setdefault(id(out), (out, [], [], []))
             dst.append(row)
             src.append(out.rows[seq_id])
-        for out, dst, src in sources.values():
-            tokens = out.token_ids.index_select(0, self._to_device(src, torch.long))
+            owners.append(index)
+        for out, dst, src, owners in sources.values():
+            src_rows = self._to_device(src, torch.long)
+            tokens = out.next_input_ids.index_select(0, src_rows)
             input_ids.index_copy_(0, self._to_device(dst, torch.long), tokens)
+            if isinstance(out, VerifiedOutput):
+                self._shift_rows(step, owners, out.num_accepted.index_select(0, src_rows))
+
+    def _shift_rows(self, step: StepInputs, owners: list[int], shift: torch.Tensor) -> None:
+        """Asynchronous speculative decoding: the host placed sequences `owners` (batch indices)
+        as if the verification in flight had accepted none of their drafts; on the device each
+        moves `shift` positions on (the drafts it did accept), with its KV slots and context
+        length. The host reserved blocks for every draft accepted (`Scheduler`)."""
+        rows, row_owner = [], []
+        starts = list(accumulate(step.query_lens, initial=0))
+        for k, b in enumerate(owners):
+            rows += range(starts[b], starts[b + 1])
+            row_owner += [k] * step.query_lens[b]
+        dev, bs = self.device, self.block_size
+        rows_d = self._to_device(rows, torch.long)
+        row_shift = shift.index_select(0, self._to_device(row_owner, torch.long))
+        positions = step.positions.to(dev, non_blocking=True).clone()
+        positions.index_add_(0, rows_d, row_shift)
+        context_lens = step.context_lens.to(dev, non_blocking=True).clone()
+        context_lens.index_add_(0, self._to_device(owners, torch.long), shift.to(torch.int32))
+        tables = step.block_tables.to(dev, non_blocking=True)
+        moved = positions.index_select(0, rows_d)
+        seq_of_row = self._to_device([owners[k] for k in row_owner], torch.long)
+        blocks = tables[seq_of_row, moved // bs].long()
+        slots = step.slot_mapping.to(dev, non_blocking=True).clone()
+        slots.index_copy_(0, rows_d, blocks * bs + moved % bs)
+        step.positions, step.context_lens = positions, context_lens
+        step.slot_mapping, step.block_tables = slots, tables
 
     def _run_eager(self, step: StepInputs, input_ids: torch.Tensor) -> torch.Tensor:
         dev = self.device

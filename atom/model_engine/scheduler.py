@@ -16,7 +16,9 @@ computed at once and appends a placeholder for each token it will sample, so the
 scheduled before this one's output is read; `update` later replaces the placeholders. A sequence
 whose pending tokens already reach its length limit is not scheduled again, and a preempted one
 waits until its pending token is known. Stops the host only sees in the output (EOS, stop tokens
-and strings) end a sequence one step late: the engine core drops the extra token.
+and strings) end a sequence one step late: the engine core drops the extra token. A verification
+step in flight emits an unknown number of tokens: the next step is placed as if it emitted one,
+with blocks for all it may emit (`Sequence.unread_drafts`; the device moves it on).
 """
 
 from __future__ import annotations
@@ -130,22 +132,23 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             i += 1
-            if seq.num_placeholders and len(seq.token_ids) >= seq.max_len:
-                continue  # at its limit once its pending token is read: computing more is waste
+            unread = sum(seq.unread_drafts)  # the device may place this step that much later
+            if seq.num_placeholders and len(seq.token_ids) + unread >= seq.max_len:
+                continue  # maybe at its limit once its pending tokens are read: wait for them
             computed = seq.num_computed_tokens
             n = len(seq.token_ids) - computed
             if n > budget:
                 n = budget
             drafts = self._drafts(seq, n, budget)
             n += len(drafts)
-            if n > 1 or computed % block_size == 0:  # may need new blocks
-                while not bm.can_allocate(seq, computed + n):
+            if n > 1 or unread or computed % block_size == 0:  # may need new blocks
+                while not bm.can_allocate(seq, computed + n + unread):
                     preempted = True
                     if self._preempt(running.pop()) is seq:
                         break
                 if seq.status != SequenceStatus.RUNNING:
                     break
-                bm.allocate(seq, computed + n)
+                bm.allocate(seq, computed + n + unread)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             batch.draft_token_ids.append(drafts)
@@ -160,7 +163,7 @@ class Scheduler:
         drafts = seq.draft_token_ids
         if not drafts or n != 1:
             return []
-        room = min(budget - 1, seq.max_len - len(seq.token_ids) - 1)
+        room = min(budget - 1, seq.max_len - len(seq.token_ids) - sum(seq.unread_drafts) - 1)
         return drafts[:room] if room > 0 else []
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
@@ -235,6 +238,8 @@ class Scheduler:
                 self._grammar_update(batch, seq)
             if samples:
                 seq.append_placeholder()
+            if drafts and self.config.async_scheduling:
+                seq.unread_drafts.append(len(drafts))
 
     @staticmethod
     def _grammar_update(batch: ScheduledBatch, seq: Sequence) -> None:
@@ -245,16 +250,27 @@ class Scheduler:
             seq.num_grammar_acked += len(new)
             batch.grammar_updates.append(GrammarUpdate(seq.request_id, new))
 
-    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[tuple[Sequence, int]]:
+    def update(
+        self,
+        batch: ScheduledBatch,
+        sampled: dict[int, int],
+        more: dict[int, list[int]] | None = None,
+    ) -> list[tuple[Sequence, int]]:
         """Replace the batch's placeholders with the sampled tokens (a row without one, e.g. a
-        failed one, loses its placeholder). Returns the (sequence, token) pairs to process;
-        sequences that finished meanwhile are skipped: their token is never emitted."""
+        failed one, loses its placeholder); `more`: what a verification emitted after them,
+        processed by the caller (`accept_draft`). Returns the (sequence, token) pairs to
+        process; sequences that finished meanwhile are skipped: their token is never emitted."""
         got_token = []
         commit, block_size = self.block_manager.commit, self.block_manager.block_size
         finished, running = SequenceStatus.FINISHED, SequenceStatus.RUNNING
-        for seq, samples in zip(batch.seqs, batch.sampling, strict=True):
+        for seq, samples, drafts in zip(
+            batch.seqs, batch.sampling, batch.draft_token_ids, strict=True
+        ):
             if seq.status is finished:
                 continue
+            if drafts and seq.unread_drafts:
+                del seq.unread_drafts[0]
+            seq.drafts_missed = len((more or {}).get(seq.seq_id, ())) < len(drafts)
             token = None
             if samples:
                 token = sampled.get(seq.seq_id)
@@ -278,9 +294,13 @@ class Scheduler:
 
     def accept_draft(self, seq: Sequence, token: int) -> None:
         """One more token a verification step emitted after its first (an accepted draft, or
-        the token after the last accepted one): appended, and the token before it, which the
-        step's forward saw, now has valid K/V."""
-        seq.append_token(token)
+        the token after the last accepted one): it joins the known tokens (before the
+        placeholder of a later step already scheduled), and the token before it, which the
+        step's forward saw, now has valid K/V (unless the sequence was preempted while the
+        step was in flight: its cache is gone, and it recomputes them all)."""
+        seq.insert_known(token)
+        if seq.status != SequenceStatus.RUNNING:
+            return
         seq.num_computed_tokens += 1
         if seq.num_computed_tokens >= (seq.num_hashed_blocks + 1) * self.block_manager.block_size:
             self.block_manager.commit(seq)

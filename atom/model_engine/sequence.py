@@ -61,6 +61,13 @@ class Sequence:
         # Speculative decoding: draft tokens proposed after its last step, verified by its next
         # one (never part of `token_ids`: only the accepted ones are appended).
         self.draft_token_ids: list[int] = []
+        # Asynchronous speculative decoding: the drafts of each scheduled verification step
+        # whose output is not read yet, oldest first. Until it is read, its accepted drafts
+        # are unknown: the next step's positions are later by up to that many on the device.
+        self.unread_drafts: list[int] = []
+        # ... and whether the last verification read rejected one of its drafts: the drafts of
+        # the step in flight were proposed as if it had not, so they are likely wrong too.
+        self.drafts_missed = False
         self.num_preemptions = 0  # a draft model's K/V of it is lost with its blocks
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -87,8 +94,14 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
+    def insert_known(self, token_id: int) -> None:
+        """Another token of the step being read (an accepted draft, or the token after it),
+        before the placeholders of later steps. The grammar committed a verification step's
+        tokens together, so one that follows a token already sent to it counts as sent."""
+        i = len(self.token_ids) - self.num_placeholders
+        if i - 1 < self.num_prompt_tokens + self.num_grammar_acked:
+            self.num_grammar_acked += 1
+        self.token_ids.insert(i, token_id)
 
     def append_placeholder(self) -> None:
         self.token_ids.append(PLACEHOLDER)
@@ -108,3 +121,4 @@ class Sequence:
         if self.num_placeholders:
             del self.token_ids[-self.num_placeholders :]
             self.num_placeholders = 0
+        self.unread_drafts = []

@@ -42,6 +42,7 @@ class StepInputs:
     # `input_ids` entry is a placeholder), and the sequence each belongs to.
     placeholder_rows: list[int]
     placeholder_seq_ids: list[int]
+    placeholder_seqs: list[int]  # the batch index of each
 
 
 @dataclass
@@ -92,6 +93,7 @@ def build_step_inputs(
         sample_rows=sampled,
         placeholder_rows=placeholders,
         placeholder_seq_ids=[seqs[i].seq_id for i in owners],
+        placeholder_seqs=owners,
     )
 
 

@@ -15,9 +15,13 @@ import numpy as np
 from atom.spec_decode.proposer import DraftRequest, Proposal
 
 
-def find_continuation(tokens: np.ndarray, min_n: int, max_n: int, max_drafts: int) -> list[int]:
+def find_continuation(
+    tokens: np.ndarray, min_n: int, max_n: int, max_drafts: int, skip: int = 0
+) -> list[int]:
     """Up to `max_drafts` tokens that followed the most recent earlier occurrence of the longest
-    suffix of `tokens` (n from `max_n` down to `min_n`) seen before; [] when none occurs.
+    suffix of `tokens` (n from `max_n` down to `min_n`) seen before; [] when none occurs. With
+    `skip`, the tokens after the first `skip` that followed it (an occurrence with none after
+    those does not count).
 
     A match is grown one token backward at a time over the places where the previous length
     matched, so only the first step reads the whole array.
@@ -25,7 +29,8 @@ def find_continuation(tokens: np.ndarray, min_n: int, max_n: int, max_drafts: in
     last = len(tokens) - 1
     if max_drafts <= 0 or last < min_n:
         return []
-    ends = np.flatnonzero(tokens[:last] == tokens[last])  # matches of length 1, ending before
+    # Matches of length 1, ending early enough to be followed by `skip` tokens and one more.
+    ends = np.flatnonzero(tokens[: max(0, last - skip)] == tokens[last])
     best = ends[-1] if len(ends) and min_n <= 1 else None
     for n in range(2, min(max_n, last) + 1):
         ends = ends[ends >= n - 1]
@@ -36,7 +41,7 @@ def find_continuation(tokens: np.ndarray, min_n: int, max_n: int, max_drafts: in
             best = ends[-1]
     if best is None:
         return []
-    return tokens[best + 1 : best + 1 + max_drafts].tolist()
+    return tokens[best + 1 + skip : best + 1 + skip + max_drafts].tolist()
 
 
 class _History:
@@ -79,8 +84,12 @@ class NgramProposer:
 
     def propose_one(self, request: DraftRequest) -> list[int]:
         history = self._histories.setdefault(request.seq_id, _History())
-        tokens = history.update(request.token_ids, request.num_known)
-        return find_continuation(tokens[-self.window :], self.min_n, self.max_n, request.max_drafts)
+        tokens = history.update(request.token_ids, request.num_known)[-self.window :]
+        if request.in_flight is None:
+            return find_continuation(tokens, self.min_n, self.max_n, request.max_drafts)
+        # A continuation's first token stands for the unknown last one of the step in flight.
+        ahead = np.concatenate([tokens, np.asarray(request.in_flight, dtype=np.int32)])
+        return find_continuation(ahead, self.min_n, self.max_n, request.max_drafts, skip=1)
 
     def release(self, seq_id: int) -> None:
         self._histories.pop(seq_id, None)

@@ -23,6 +23,10 @@ class DraftRequest:
     # positions drafted), and how many times the sequence was preempted (its draft K/V is gone).
     block_table: Sequence[int] = ()
     generation: int = 0
+    # Asynchronous scheduling (n-gram only): a step of this sequence is in flight, verifying
+    # these drafts after its known tokens, and its last emitted token is not known yet. The
+    # drafts wanted are for the step after it, proposed as if it accepted them all.
+    in_flight: Sequence[int] | None = None
 
 
 @dataclass

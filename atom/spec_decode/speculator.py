@@ -1,7 +1,8 @@
 """A rank's speculative decoding: its draft proposer, and the verification of a step's drafts.
 
 The model runner owns one when `EngineConfig.speculative_method` is set. After a step's output is
-read, the engine asks it for each sequence's next drafts (`propose`); the scheduler gives a decode
+read (with asynchronous scheduling: after the next step is queued), the engine asks it for each
+sequence's next drafts (`propose`); the scheduler gives a decode
 row up to `num_speculative_tokens` of them, the step's forward scores every draft prefix (the row
 becomes a short chunk: its last token and its drafts), constrained rows are masked with the
 grammar state after each prefix, and `verify` emits per sequence the accepted drafts plus one
@@ -55,14 +56,21 @@ class Speculator:
         if self.draft_model is not None:
             self.draft_model.capture_graphs(max_num_seqs, max_blocks, chunk_len)
 
-    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> dict[int, list[int]]:
+    def propose(
+        self,
+        seqs: list[Sequence],
+        max_drafts: list[int],
+        in_flight: list[list[int]] | None = None,
+    ) -> dict[int, list[int]]:
         """Next drafts by sequence id (the tokens read so far are the proposer's input), at
-        most `max_drafts[i]` for `seqs[i]`."""
+        most `max_drafts[i]` for `seqs[i]`. With asynchronous scheduling a step of each is in
+        flight: `in_flight[i]` are the drafts it verifies (see `DraftRequest.in_flight`)."""
+        ahead = in_flight if in_flight is not None else [None] * len(seqs)
         requests = [
             DraftRequest(
-                s.seq_id, s.token_ids, s.num_known_tokens, k, s.block_table, s.num_preemptions
+                s.seq_id, s.token_ids, s.num_known_tokens, k, s.block_table, s.num_preemptions, d
             )
-            for s, k in zip(seqs, max_drafts, strict=True)
+            for s, k, d in zip(seqs, max_drafts, ahead, strict=True)
         ]
         proposal = self.proposer.propose(requests)
         return {r.seq_id: d for r, d in zip(requests, proposal.token_ids, strict=True)}
@@ -78,6 +86,7 @@ class Speculator:
         drafts: list[list[int]],
         sampling: SamplingTensors,
         errors: dict[int, str],
+        copy_stream: torch.cuda.Stream | None = None,
     ) -> VerifiedOutput:
         """Queue the verification of `drafts` (per sampling sequence, in logits row order);
         with `ATOM_ENABLE_RELAXED_MTP=1` unconstrained rows accept drafts near the top too."""
@@ -89,4 +98,4 @@ class Speculator:
                 [s.params.structured_output is None for s in seqs],
             )
         verification = rejection_sample(logits, drafts, sampling, relaxed=relaxed)
-        return VerifiedOutput([s.seq_id for s in seqs], verification, errors)
+        return VerifiedOutput([s.seq_id for s in seqs], verification, errors, copy_stream)

@@ -33,6 +33,20 @@ def test_copies_what_followed_the_match():
     assert _propose([7, 7, 7, 7], k=5) == [7]  # overlapping occurrence, ending before the end
 
 
+def test_skip_drafts_past_an_unknown_token():
+    """Asynchronous scheduling: the token after the match stands for one not known yet."""
+    tokens = np.array([1, 2, 3, 4, 5, 1, 2, 3], dtype=np.int32)
+    assert find_continuation(tokens, 1, 4, 3, skip=1) == [5, 1, 2]
+    # An occurrence followed by nothing past the skipped token does not count: the one before.
+    assert find_continuation(np.array([7, 7, 7, 7], dtype=np.int32), 1, 4, 5, skip=1) == [7]
+    late = np.array([5, 3, 3], dtype=np.int32)
+    assert find_continuation(late, 1, 4, 2) == [3]
+    assert find_continuation(late, 1, 4, 2, skip=1) == []
+    proposer = NgramProposer()
+    ahead = DraftRequest(0, [1, 2, 3, 4, 5, 1, -1], 6, 3, in_flight=[2, 3])
+    assert proposer.propose([ahead]).token_ids == [[5, 1, 2]]  # as if 2, 3 and then 4 came
+
+
 def test_longest_match_wins_then_the_most_recent():
     # [5, 6, 7] occurred once (then 9); [6, 7] occurred more recently (then 8)
     assert _propose([5, 6, 7, 9, 1, 6, 7, 8, 5, 6, 7]) == [9, 1, 6]

@@ -87,11 +87,14 @@ def draft_dir(tmp_path_factory, save_tiny_llama, tiny_llama_dir) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft-self", "draft-other"])
+@pytest.mark.parametrize("method", ["ngram", "ngram-sync", "draft-self", "draft-other"])
 def test_greedy_outputs_are_the_same_as_without_speculation(tiny_llama_dir, draft_dir, method):
-    """Through preemption (a 14-block cache for 6 requests) and chunked prefill."""
+    """Through preemption (a 14-block cache for 6 requests) and chunked prefill. N-gram lookup
+    schedules asynchronously unless told otherwise; a draft model synchronously."""
     spec = {"speculative_method": "ngram", "num_speculative_tokens": 4}
-    if method != "ngram":
+    if method == "ngram-sync":
+        spec["async_scheduling"] = False
+    elif method != "ngram":
         model = tiny_llama_dir if method == "draft-self" else draft_dir
         spec = {"speculative_method": "draft", "num_speculative_tokens": 3}
         spec["speculative_model"] = str(model)
@@ -100,15 +103,15 @@ def test_greedy_outputs_are_the_same_as_without_speculation(tiny_llama_dir, draf
     requests = {f"r{i}": (p, params) for i, p in enumerate(_prompts(6))}
     plain = _engine(tiny_llama_dir, kv_cache_bytes=14 * BLOCK_BYTES, **common)
     # A draft model's cache has as many blocks as the target's, from the same bytes.
-    cache = (14 if method == "ngram" else 28) * BLOCK_BYTES
+    cache = (14 if method.startswith("ngram") else 28) * BLOCK_BYTES
     speculative = _engine(tiny_llama_dir, kv_cache_bytes=cache, **common, **spec)
     assert speculative.cores[0].block_manager.num_total_blocks == 14
-    assert speculative.config.async_scheduling is False
+    assert speculative.config.async_scheduling is (method == "ngram")
     want, got = _run(plain, requests), _run(speculative, requests)
     assert got == want
     assert speculative.cores[0].scheduler.num_preemptions > 0
     proposed, accepted = _drafted(speculative)
-    assert proposed > 0
+    assert proposed > 0 and (method == "draft-other" or accepted > 0)
     if method == "draft-self":  # the draft is the target: its greedy drafts are the target's
         assert accepted >= 0.9 * proposed, (accepted, proposed)
 
@@ -138,13 +141,45 @@ def test_greedy_outputs_are_the_same_as_without_speculation_on_cuda(tiny_llama_d
     speculative.shutdown()
 
 
-def test_constrained_and_plain_requests_match_with_ngram_drafts(smollm2_dir):
+def test_abort_while_a_verification_is_in_flight(tiny_llama_dir):
+    """Asynchronous scheduling: requests cancelled while their verification step is in flight
+    (one of them the step the next one's positions depend on) end at once, keep nothing of
+    the cache, and the others write what they write without the cancelled ones."""
+    spec = {"speculative_method": "ngram", "num_speculative_tokens": 4}
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = _prompts(4)
+    kept = {f"r{i}": (prompts[i], params) for i in (0, 2)}
+    want = _run(_engine(tiny_llama_dir, **spec), kept)
+    engine = _engine(tiny_llama_dir, **spec)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    core, done, aborted = engine.cores[0], {}, {}
+    while engine.has_unfinished_requests():
+        flying = core._in_flight
+        if not aborted and flying is not None and all(flying.draft_token_ids):
+            assert {s.request_id for s in flying.seqs} >= {"r1", "r3"}
+            engine.abort_request(["r1", "r3"])
+            aborted = {"r1", "r3"}
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.output_token_ids, out.text, out.finish_reason, None)
+    assert aborted, "no step verified drafts of every request while in flight"
+    assert {rid: done[rid] for rid in kept} == want
+    assert done["r1"][2] == done["r3"][2] == "abort"
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert _drafted(engine)[1] > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_constrained_and_plain_requests_match_with_ngram_drafts(smollm2_dir, async_scheduling):
     from test_engine_integration import spec_of
 
     results, drafted = {}, {}
     for name, spec in (("plain", {}), ("ngram", {"speculative_method": "ngram"})):
         if spec:
             spec["num_speculative_tokens"] = 4
+            spec["async_scheduling"] = async_scheduling
         engine = _engine(smollm2_dir, max_model_len=512, **spec)
         constraint = spec_of(engine, SCHEMA)
         requests = {}
