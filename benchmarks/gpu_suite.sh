@@ -7,8 +7,9 @@
 #   bash benchmarks/gpu_suite.sh check    (GPU tests and compute-sanitizer, about 9 minutes)
 #   bash benchmarks/gpu_suite.sh grammar  (grammar process on/off profile and structured
 #                                          overhead; about 6 minutes)
-#   bash benchmarks/gpu_suite.sh spec     (GPU tests, bench_spec_decode, memcheck of asynchronous
-#                                          speculative decoding; about 10 minutes)
+#   bash benchmarks/gpu_suite.sh spec     (GPU tests, bench_spec_decode, its host profile, memcheck
+#                                          and racecheck (float32) of asynchronous speculative
+#                                          decoding; about 8 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -69,29 +70,29 @@ watched() {  # watched GIB COMMAND...: kill COMMAND's tree past GIB of host RSS;
 racecheck() {
     # Bf16 engine runs under racecheck end in "Internal Sanitizer Error" at the first forward,
     # whichever of ATOM's kernels is instrumented (2026-12-02): probe a cuBLAS GEMM alone in
-    # bf16 and fp32, then check the engine's variants in float32.
+    # bf16 and fp32, then check the engine's variants in float32, every kernel instrumented.
     for probe in add rms_norm matmul_fp32 matmul_bf16; do
         step race_probe_$probe 40 compute-sanitizer --tool racecheck --print-limit 20 \
             python3 benchmarks/racecheck_probe.py $probe
     done
-    local own="_attention_kernel|_merge_splits|_store_kv|_bitmask_kernel|_rms_norm|_rotary|_silu"
     for variant in ${RACE_VARIANTS-eager-async graphs-async}; do
-        step race_fp32_$variant 110 bash -c "$(declare -f watched); watched 40 compute-sanitizer \
-            --tool racecheck --print-limit 20 \
-            --kernel-regex kns='$own' \
+        step race_fp32_all_$variant 200 bash -c "$(declare -f watched); watched 80 \
+            compute-sanitizer --tool racecheck --print-limit 20 \
             python3 benchmarks/sanitize_engine.py cuda $variant float32"
     done
-    step race_fp32_all_eager-async 170 bash -c "$(declare -f watched); watched 40 \
-        compute-sanitizer --tool racecheck --print-limit 20 \
-        python3 benchmarks/sanitize_engine.py cuda eager-async float32"
 }
 spec() {  # asynchronous speculative decoding: GPU tests, benchmark, both sanitizers
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
     step spec_decode 230 python3 benchmarks/bench_spec_decode.py --device cuda --tag _cuda \
         --model /tmp/atom-random-llama-1b-129k --max-tokens 64 --out $out
+    step profile_spec_host 120 python3 benchmarks/profile_spec_host.py --device cuda --tag _cuda \
+        --model /tmp/atom-random-llama-1b-129k --top 40 --out $out
     step memcheck_ngram 110 compute-sanitizer --tool memcheck --print-limit 20 \
         python3 benchmarks/sanitize_engine.py cuda graphs-async-ngram
+    step race_fp32_ngram 200 bash -c "$(declare -f watched); watched 80 compute-sanitizer \
+        --tool racecheck --print-limit 20 \
+        python3 benchmarks/sanitize_engine.py cuda graphs-async-ngram float32"
 }
 "${1:?bench, check, grammar, racecheck or spec}"
 tail -n 200 $out/summary.log

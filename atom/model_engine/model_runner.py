@@ -417,23 +417,24 @@ class ModelRunner:
         as if the verification in flight had accepted none of their drafts; on the device each
         moves `shift` positions on (the drafts it did accept), with its KV slots and context
         length. The host reserved blocks for every draft accepted (`Scheduler`)."""
-        rows, row_owner = [], []
+        rows, row_owner = [], []  # the rows of those sequences, and the index in `owners` of each
         starts = list(accumulate(step.query_lens, initial=0))
         for k, b in enumerate(owners):
             rows += range(starts[b], starts[b + 1])
             row_owner += [k] * step.query_lens[b]
         dev, bs = self.device, self.block_size
-        rows_d = self._to_device(rows, torch.long)
-        row_shift = shift.index_select(0, self._to_device(row_owner, torch.long))
-        positions = step.positions.to(dev, non_blocking=True).clone()
-        positions.index_add_(0, rows_d, row_shift)
-        context_lens = step.context_lens.to(dev, non_blocking=True).clone()
-        context_lens.index_add_(0, self._to_device(owners, torch.long), shift.to(torch.int32))
+        index = self._to_device(rows + row_owner + owners, torch.long).split(
+            [len(rows), len(rows), len(owners)]
+        )
+        rows_d, row_owner_d, owners_d = index
+        positions = step.positions.to(dev, non_blocking=True, copy=True)
+        positions.index_add_(0, rows_d, shift.index_select(0, row_owner_d))
+        context_lens = step.context_lens.to(dev, non_blocking=True, copy=True)
+        context_lens.index_add_(0, owners_d, shift.to(torch.int32))
         tables = step.block_tables.to(dev, non_blocking=True)
         moved = positions.index_select(0, rows_d)
-        seq_of_row = self._to_device([owners[k] for k in row_owner], torch.long)
-        blocks = tables[seq_of_row, moved // bs].long()
-        slots = step.slot_mapping.to(dev, non_blocking=True).clone()
+        blocks = tables[owners_d.index_select(0, row_owner_d), moved // bs].long()
+        slots = step.slot_mapping.to(dev, non_blocking=True, copy=True)
         slots.index_copy_(0, rows_d, blocks * bs + moved % bs)
         step.positions, step.context_lens = positions, context_lens
         step.slot_mapping, step.block_tables = slots, tables
