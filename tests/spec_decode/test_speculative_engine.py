@@ -107,9 +107,19 @@ def test_greedy_outputs_are_the_same_as_without_speculation(tiny_llama_dir, draf
     speculative = _engine(tiny_llama_dir, kv_cache_bytes=cache, **common, **spec)
     assert speculative.cores[0].block_manager.num_total_blocks == 14
     assert speculative.config.async_scheduling is (method == "ngram")
+    scheduler, in_flight = speculative.cores[0].scheduler, []
+    preempt = scheduler._preempt
+
+    def recording(seq, preempt=preempt):
+        in_flight.append(bool(seq.unread_drafts))  # a verification of it not read yet
+        return preempt(seq)
+
+    scheduler._preempt = recording
     want, got = _run(plain, requests), _run(speculative, requests)
     assert got == want
-    assert speculative.cores[0].scheduler.num_preemptions > 0
+    assert scheduler.num_preemptions > 0
+    if method == "ngram":  # preempted while its verification was in flight, and recomputed
+        assert any(in_flight), in_flight
     proposed, accepted = _drafted(speculative)
     assert proposed > 0 and (method == "draft-other" or accepted > 0)
     if method == "draft-self":  # the draft is the target: its greedy drafts are the target's
