@@ -260,7 +260,7 @@ class Scheduler:
         failed one, loses its placeholder); `more`: what a verification emitted after them,
         processed by the caller (`accept_draft`). Returns the (sequence, token) pairs to
         process; sequences that finished meanwhile are skipped: their token is never emitted."""
-        got_token = []
+        got_token, more = [], more or {}
         commit, block_size = self.block_manager.commit, self.block_manager.block_size
         finished, running = SequenceStatus.FINISHED, SequenceStatus.RUNNING
         for seq, samples, drafts in zip(
@@ -270,7 +270,7 @@ class Scheduler:
                 continue
             if drafts and seq.unread_drafts:
                 del seq.unread_drafts[0]
-            seq.drafts_missed = len((more or {}).get(seq.seq_id, ())) < len(drafts)
+            seq.drafts_missed = len(more.get(seq.seq_id, ())) < len(drafts)
             token = None
             if samples:
                 token = sampled.get(seq.seq_id)

@@ -2,12 +2,12 @@
 
 The model runner owns one when `EngineConfig.speculative_method` is set. After a step's output is
 read (with asynchronous scheduling: after the next step is queued), the engine asks it for each
-sequence's next drafts (`propose`); the scheduler gives a decode
-row up to `num_speculative_tokens` of them, the step's forward scores every draft prefix (the row
-becomes a short chunk: its last token and its drafts), constrained rows are masked with the
-grammar state after each prefix, and `verify` emits per sequence the accepted drafts plus one
-token. Only the emitted tokens join the sequence; the K/V written for rejected drafts lies past
-its computed tokens and is overwritten by later steps.
+sequence's next drafts (`propose`); the scheduler gives a decode row up to
+`num_speculative_tokens` of them, the step's forward scores every draft prefix (the row becomes a
+short chunk: its last token and its drafts), constrained rows are masked with the grammar state
+after each prefix, and `verify` emits per sequence the accepted drafts plus one token. Only the
+emitted tokens join the sequence; the K/V written for rejected drafts lies past its computed
+tokens and is overwritten by later steps.
 """
 
 from __future__ import annotations
