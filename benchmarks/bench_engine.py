@@ -30,7 +30,6 @@ import torch
 from tqdm import tqdm
 
 from atom.llm import LLM
-from atom.model_ops import sampler
 from atom.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
@@ -445,17 +444,9 @@ def main() -> None:
         help="ATOM configurations to compare in the decode sweep (the first fills atom_*)",
     )
     ap.add_argument("--profile", action="store_true", help="also write cProfile tables")
-    ap.add_argument(
-        "--argmax",
-        choices=["sampler", "torch"],
-        default="sampler",
-        help="greedy argmax: the sampler's choice, or torch's argmax for every batch (an A/B)",
-    )
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (processes)")
     ap.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas")
     args = ap.parse_args()
-    if args.argmax == "torch":
-        sampler.TWO_PASS_ARGMAX_MAX_ROWS = 0
     if args.random_llama_1b:
         decode_sweep(args)
         return

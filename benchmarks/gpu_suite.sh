@@ -10,8 +10,6 @@
 #   bash benchmarks/gpu_suite.sh spec     (GPU tests, bench_spec_decode, its host profile, memcheck
 #                                          of asynchronous speculative decoding, and the decode's
 #                                          device time per kernel; about 9 minutes)
-#   bash benchmarks/gpu_suite.sh argmax   (greedy argmax kernels, then the decode A/B of the
-#                                          sampler's two-pass argmax; about 6 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -97,14 +95,5 @@ spec() {  # asynchronous speculative decoding: GPU tests, benchmark, both saniti
     step kernels 150 python3 benchmarks/bench_engine.py --device cuda --random-llama-1b \
         --decode-batches 1 256 --variants graphs-async --profile --out $out/kernels
 }
-argmax() {  # the sampler's two-pass argmax: its kernel against torch's, then the decode A/B
-    step argmax 60 python3 benchmarks/bench_argmax.py --device cuda --out $out
-    local run=0 side
-    for side in torch sampler sampler torch; do  # interleaved, ABBA
-        run=$((run + 1))
-        step engine_${run}_$side 120 python3 benchmarks/bench_engine.py --device cuda \
-            --random-llama-1b --variants graphs-async --argmax $side --out $out/engine_${run}_$side
-    done
-}
-"${1:?argmax, bench, check, grammar, racecheck or spec}"
+"${1:?bench, check, grammar, racecheck or spec}"
 tail -n 200 $out/summary.log

@@ -32,7 +32,7 @@ from itertools import accumulate
 
 import torch
 
-from atom.model_ops.sampler import SamplingTensors, _apply_top_k_top_p, argmax_rows
+from atom.model_ops.sampler import SamplingTensors, _apply_top_k_top_p
 
 
 @dataclass
@@ -133,7 +133,7 @@ def rejection_sample(
     layout = _layout(draft_token_ids, logits.size(0), logits.device)
     if draft_probs is not None and draft_probs.shape != (len(layout.drafts), logits.size(1)):
         raise ValueError(f"draft_probs {tuple(draft_probs.shape)} for {len(layout.drafts)} drafts")
-    greedy_ids = argmax_rows(logits)
+    greedy_ids = logits.argmax(dim=-1)
     probs = None if sampling.temperatures is None else _target_probs(logits, layout, sampling)
     if probs is None:
         accepted = greedy_ids[layout.draft_rows] == layout.drafts

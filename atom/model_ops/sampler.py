@@ -26,33 +26,6 @@ class SamplingTensors:
     min_ps: torch.Tensor | None = None  # [N] float (0.0 where disabled); None: no row uses it
 
 
-# torch's argmax reduces each row of [N, V] in one thread block: on the H200 a batch-1 row of
-# the 129,280-token vocabulary took 36 us, 3% of the whole decode step (per-kernel table in
-# benchmarks/results/h200_2026-12-02g/kernels). Up to this many rows, argmax_rows splits each row
-# into ARGMAX_CHUNKS pieces, reduced in parallel, then picks among the pieces' maxima.
-TWO_PASS_ARGMAX_MAX_ROWS = 64
-ARGMAX_CHUNKS = 64
-
-
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """[N, V] -> [N] argmax, the first maximum on ties (as `torch.argmax`), in fewer device
-    microseconds for the small batches a decode step has."""
-    rows, vocab = logits.shape
-    if logits.device.type != "cuda" or rows > TWO_PASS_ARGMAX_MAX_ROWS or vocab % ARGMAX_CHUNKS:
-        return logits.argmax(dim=-1)
-    return two_pass_argmax(logits, ARGMAX_CHUNKS)
-
-
-def two_pass_argmax(logits: torch.Tensor, chunks: int) -> torch.Tensor:
-    """argmax over `chunks` equal pieces of each row: the first piece holding the row's maximum,
-    then the first maximum inside it, which is the row's first maximum. `vocab % chunks == 0`."""
-    rows, vocab = logits.shape
-    width = vocab // chunks
-    chunk_max, within = logits.view(rows, chunks, width).max(dim=-1)
-    chunk = chunk_max.argmax(dim=-1, keepdim=True)
-    return (chunk * width + within.gather(1, chunk)).squeeze(1)
-
-
 @dataclass
 class Logprobs:
     """Raw-distribution logprobs of the sampled tokens and the top candidates."""
@@ -72,7 +45,7 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         """logits [N, V] in any float dtype (possibly masked) -> token ids [N]; sampling with a
         temperature runs in float32."""
-        greedy_ids = argmax_rows(logits)
+        greedy_ids = logits.argmax(dim=-1)
         if t.temperatures is None:
             return greedy_ids
         greedy = t.temperatures == 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from atom.llm import LLM
-from atom.model_ops.sampler import Sampler, SamplingTensors, argmax_rows, two_pass_argmax
+from atom.model_ops.sampler import Sampler, SamplingTensors
 from atom.sampling_params import SamplingParams
 
 
@@ -96,34 +96,3 @@ def test_logprobs_zero_and_none(tiny_llm):
     a, b = tiny_llm.generate([[5, 6, 7], [5, 6, 7]], [p0, pn], use_tqdm=False)
     assert [t.top for t in a.logprobs] == [[], [], []]
     assert b.logprobs is None
-
-
-def _tied_logits(rows: int, vocab: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
-    """Random rows in which the maximum occurs several times, in different chunks and within one
-    chunk, so a wrong tie rule picks a different index."""
-    gen = torch.Generator().manual_seed(rows)
-    logits = torch.randint(-50, 50, (rows, vocab), generator=gen).to(dtype)
-    for row in range(rows):
-        ties = torch.randint(0, vocab, (1 + row % 5,), generator=gen)
-        logits[row, ties] = 60
-        logits[row, ties[0] ^ 1] = 60  # a neighbour: two maxima inside one chunk
-    return logits.to(device)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 64])
-def test_two_pass_argmax_is_torch_argmax_with_ties(rows, dtype) -> None:
-    logits = _tied_logits(rows, 129280, dtype)
-    for chunks in (1, 64, 1010):
-        assert torch.equal(two_pass_argmax(logits, chunks), logits.argmax(dim=-1))
-    logits[0, 7] = float("inf")
-    assert two_pass_argmax(logits, 64)[0].item() == 7
-
-
-@pytest.mark.gpu
-def test_argmax_rows_is_torch_argmax_on_cuda() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    for rows in (1, 16, 64, 65, 256):
-        logits = _tied_logits(rows, 129280, torch.bfloat16, "cuda")
-        assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
