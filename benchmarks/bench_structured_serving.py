@@ -82,6 +82,7 @@ commit, machine and device.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -184,11 +185,17 @@ def kv_cache_bytes(args: argparse.Namespace) -> int:
 
 
 def make_engine(args: argparse.Namespace, **overrides: Any) -> Any:
-    """The benchmark's engine; `overrides`: other `EngineConfig` fields."""
+    """The benchmark's engine (`--grammar-process`); `overrides`: other `EngineConfig` fields.
+
+    Its startup heap is then frozen out of the garbage collector, as `atom serve` freezes its
+    own: otherwise a full collection scans the model's and libraries' objects every so often,
+    a stall of tens of milliseconds in whichever step triggers it."""
     from atom.config import EngineConfig
     from atom.model_engine.llm_engine import LLMEngine
 
-    return LLMEngine(
+    if getattr(args, "grammar_process", None) is not None:
+        overrides.setdefault("structured_output_grammar_process", args.grammar_process == "on")
+    engine = LLMEngine(
         EngineConfig(
             model=args.model,
             dtype="bfloat16" if args.random_llama_1b else "auto",
@@ -200,6 +207,9 @@ def make_engine(args: argparse.Namespace, **overrides: Any) -> Any:
             **overrides,
         )
     )
+    gc.collect()
+    gc.freeze()
+    return engine
 
 
 def prompts_for(engine: Any, n: int, args: argparse.Namespace) -> list[list[int]]:
@@ -614,7 +624,8 @@ def device_name(device: str) -> str:
 
 
 def engine_info(engine: Any) -> dict:
-    """The engine settings the step times depend on (all at their defaults here)."""
+    """The engine settings the step times depend on (at their defaults but the grammar
+    process's, which `--grammar-process` sets)."""
     c = engine.config
     return {
         "async_scheduling": c.async_scheduling,
@@ -626,6 +637,7 @@ def engine_info(engine: Any) -> dict:
         "kv_cache_bytes": c.kv_cache_bytes,
         "structured_output_threads": c.structured_output_threads,
         "structured_output_whitespace": c.structured_output_whitespace,
+        "structured_output_grammar_process": c.structured_output_grammar_process,
     }
 
 
@@ -807,6 +819,12 @@ def parse_args() -> argparse.Namespace:
         choices=sorted(RANDOM_SCHEMAS),
         default=None,
         help="random model: which schemas (default: all)",
+    )
+    ap.add_argument(
+        "--grammar-process",
+        choices=["on", "off"],
+        default=None,
+        help="grammar states in a process of their own (default: the engine's)",
     )
     ap.add_argument("--tag", default="", help="suffix of the output files")
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes, 2 repeats")

@@ -10,6 +10,10 @@
 #   bash benchmarks/gpu_suite.sh spec     (GPU tests, bench_spec_decode, its host profile, memcheck
 #                                          of asynchronous speculative decoding, and the decode's
 #                                          device time per kernel; about 9 minutes)
+#   BASELINE=.baseline bash benchmarks/gpu_suite.sh overlap  (host segments of a step, another
+#                                          checkout against this one; about 7 minutes)
+#   bash benchmarks/gpu_suite.sh structured (structured-output overhead, grammar process off and
+#                                          on; about 8 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -95,5 +99,34 @@ spec() {  # asynchronous speculative decoding: GPU tests, benchmark, both saniti
     step kernels 150 python3 benchmarks/bench_engine.py --device cuda --random-llama-1b \
         --decode-batches 1 256 --variants graphs-async --profile --out $out/kernels
 }
-"${1:?bench, check, grammar, racecheck or spec}"
+overlap() {  # before/after: BASELINE (another checkout's folder, carried) and this checkout,
+    # alternated twice, one engine step's host segments; then the grammar step on 16 threads
+    for round in 1 2; do
+        for side in baseline current; do
+            local root=$PWD
+            [[ $side == baseline ]] && root=$PWD/${BASELINE:?a baseline checkout folder}
+            step profile_${side}_$round 150 env PYTHONPATH=/tmp/site:$root python3 \
+                $root/benchmarks/profile_step.py --random-llama-1b --device cuda \
+                --batch-sizes 1 16 64 256 --schemas mostly-forbidden --steps 16 --profile-steps 2 \
+                --tag ${side}_$round --out $out
+        done
+    done
+    step profile_current_process 150 python3 benchmarks/profile_step.py --random-llama-1b \
+        --device cuda --batch-sizes 1 16 64 256 --schemas mostly-forbidden --steps 16 \
+        --profile-steps 2 --grammar-process on --tag current_process --out $out
+    step grammar_step 100 python3 benchmarks/bench_grammar_step.py --tokenizers deepseek \
+        --cases strings int-array --batches 64 256 --steps 20 --threads 16 --out $out
+}
+structured() {  # the structured-output overhead, grammar states in the engine's process and
+    # in a process of their own (free-string is left out: the random model closes its string
+    # within a few steps at batch 256, too few to time)
+    for process in off on; do
+        step structured_process_$process 280 python3 benchmarks/bench_structured_serving.py \
+            --random-llama-1b --device cuda --schema-kinds mostly-allowed mostly-forbidden \
+            --grammar-process $process --tag process_$process --out $out
+    done
+    step engine 130 python3 benchmarks/bench_engine.py --device cuda --random-llama-1b \
+        --variants graphs-async --out $out
+}
+"${1:?bench, check, grammar, overlap, racecheck, spec or structured}"
 tail -n 200 $out/summary.log

@@ -73,6 +73,8 @@ def instrument(engine: Any, segments: Segments) -> None:
         (runner, "sampler", "sample_launch"),
         (DeferredOutput, "host_token_ids", "token_wait"),
     ]
+    if hasattr(runner, "_stage"):  # the inputs built before the previous sampling is queued
+        wraps.append((runner, "_stage", "stage_inputs"))
     worker = runner.structured_output
     if worker.manager is not None or worker.process is not None:  # structured output was used
         wraps += [
@@ -184,9 +186,7 @@ def make_engine(args: argparse.Namespace) -> Any:
     overrides = {}
     if args.grammar_threads is not None:
         overrides["structured_output_threads"] = args.grammar_threads
-    if args.grammar_process is not None:
-        overrides["structured_output_grammar_process"] = args.grammar_process == "on"
-    return bss.make_engine(args, **overrides)
+    return bss.make_engine(args, **overrides)  # it reads --grammar-process
 
 
 def print_table(rows: list[dict]) -> None:

@@ -135,12 +135,28 @@ class DecodeGraphs:
     ) -> torch.Tensor:
         """`replay` from the step's tensors, one row a sequence padded to a captured size (the
         draft model's decode steps have no `StepInputs`)."""
+        size = self.stage(positions, slot_mapping, context_lens, block_tables)
+        return self.launch(input_ids, size)
+
+    def stage(
+        self,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> int:
+        """Copy a decode step's inputs but its ids into the buffers (queued on the stream after
+        every replay queued before: each reads the buffers as they were); returns its size."""
         size, width = block_tables.shape
-        self.input_ids[:size].copy_(input_ids, non_blocking=True)
         self.positions[:size].copy_(positions, non_blocking=True)
         self.slot_mapping[:size].copy_(slot_mapping, non_blocking=True)
         self.context_lens[:size].copy_(context_lens, non_blocking=True)
         self.block_tables[:size, :width].copy_(block_tables, non_blocking=True)
+        return size
+
+    def launch(self, input_ids: torch.Tensor, size: int) -> torch.Tensor:
+        """Replay the staged step of `size` with its ids; its hidden states (graph-owned)."""
+        self.input_ids[:size].copy_(input_ids, non_blocking=True)
         self.graphs[size].replay()
         return self.outputs[size]
 

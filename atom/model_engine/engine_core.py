@@ -7,9 +7,9 @@ of this core on the loop thread, either awaited (a Future) or fire-and-forget.
 Asynchronous scheduling (`EngineConfig.async_scheduling`): a step schedules and submits the next
 batch, then reads the output of the batch submitted one step earlier, so the device computes
 while the host processes outputs and builds the next inputs. A batch with constrained requests
-has its grammar rows filled on the rank's grammar thread meanwhile, and its sampling is queued
-after that read (`complete_submission`). The next batch's inputs take the
-previous one's sampled ids on the device (`deferred_output`). A request that stops on a token
+has its grammar rows filled on the rank's grammar thread meanwhile; the rank queues its sampling
+when the next batch is submitted, once that batch's inputs are built (`ModelRunner`). The next
+batch's inputs take the previous one's sampled ids on the device (`deferred_output`). A request that stops on a token
 the host sees only in the output has one more token in flight: it is dropped, never emitted.
 Synchronous scheduling reads each batch's output right after submitting it.
 
@@ -133,12 +133,9 @@ class EngineCore:
         if previous is not None:
             outputs += self._read(previous)
         if submitted and self.config.async_scheduling:
-            submitted, failed = self._complete(batch)
-            outputs += failed
-            if submitted:
-                self._in_flight = batch
-                if self.config.speculative_method is not None:
-                    outputs += self._propose(batch)
+            self._in_flight = batch
+            if self.config.speculative_method is not None:
+                outputs += self._propose(batch)
         elif submitted:
             outputs += self._read(batch)
             if self.config.speculative_method is not None:
@@ -163,16 +160,6 @@ class EngineCore:
         """Queue one batch on the ranks; on failure its requests end with an error."""
         try:
             self.executor.submit_model(batch)
-        except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
-            logger.exception("model step failed")
-            return False, [self._fail(seq, _failure(e)) for seq in list(batch.seqs)]
-        return True, []
-
-    def _complete(self, batch: ScheduledBatch) -> tuple[bool, list[RequestOutput]]:
-        """Queue the sampling of the batch just submitted, whose grammar rows were filled while
-        the previous output was read (a no-op for a batch without constrained requests)."""
-        try:
-            self.executor.complete_submission()
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
             logger.exception("model step failed")
             return False, [self._fail(seq, _failure(e)) for seq in list(batch.seqs)]

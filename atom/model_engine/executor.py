@@ -27,10 +27,6 @@ class Executor(ABC):
         """Queue a step on every rank without waiting for its output."""
         self.collective_rpc("submit_model", batch)
 
-    def complete_submission(self) -> None:
-        """Queue the sampling of the newest step if it waited for its grammar rows."""
-        self.collective_rpc("complete_submission")
-
     def propose_drafts(
         self,
         seqs: list[Sequence],

@@ -5,9 +5,12 @@ target rows] -> sampler.
 Every public method is callable by name through `Executor.collective_rpc`.
 
 A batch with constrained requests hands its host grammar work (commit the acknowledged tokens,
-fill the mask rows) to the structured-output worker's thread once its forward is queued, and its
-sampling is queued only when `complete_submission` finds the rows filled: the engine reads the
-previous step's output in between, so that work and the grammar's run at once.
+fill the mask rows) to the structured-output worker's thread once its forward is queued; its
+sampling is queued only once the rows are filled, when the next step is submitted (after that
+step's inputs are built, so that building them, and the engine's reading of the previous output,
+run while the grammar works) or when its own output is taken. Building the next step's inputs
+first keeps them off the path between this step's rows and the next forward: the device runs
+that forward right after this step's sampling.
 
 On CUDA the forward of a decode step replays a CUDA graph (`cuda_graph.DecodeGraphs`, captured
 at start-up unless `enforce_eager`); every other step, and every step on CPU, runs eagerly. The
@@ -28,7 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import accumulate, compress
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -52,6 +55,19 @@ if TYPE_CHECKING:
     from atom.structured_output.worker import StructuredOutputWorker
 
 CPU_KV_CACHE_BYTES = 512 * 1024**2
+
+
+class _Staged(NamedTuple):
+    """A step's inputs before its forward: host tensors, the CUDA graph sizes that replay it
+    (decode, verification; None: eager), whether the decode graph's buffers hold all but its
+    ids already, and on the device its sampling rows and input ids (placeholders not filled)."""
+
+    step: StepInputs
+    size: int | None
+    on_graph: bool
+    verify: int | None
+    rows: torch.Tensor
+    input_ids: torch.Tensor
 
 
 @dataclass
@@ -194,8 +210,8 @@ class ModelRunner:
     def submit_model(self, batch: ScheduledBatch) -> None:
         """Queue one step's forward and sampling on the device without reading its output (see
         `deferred_output`); `take_output` returns it later. A step with constrained requests
-        queues its sampling only in `complete_submission`, once its grammar rows are filled."""
-        self.complete_submission()
+        queues its sampling once its grammar rows are filled: when the next step is submitted,
+        or its own output taken (`_queue_sampling`)."""
         step = self._execute(batch)
         if isinstance(step, _Unsampled):
             self._unsampled = step
@@ -203,11 +219,9 @@ class ModelRunner:
             self._submitted.append(step)
 
     @torch.inference_mode()
-    def complete_submission(self) -> None:
+    def _queue_sampling(self) -> None:
         """Queue the sampling of the newest submitted step if it waits for its grammar rows
-        (filled on the grammar thread meanwhile; this waits for them). The engine calls it after
-        reading the previous step's output, so that both happen at once; submitting the next
-        step or taking this one's output calls it too."""
+        (filled on the grammar thread meanwhile; this waits for them)."""
         step, self._unsampled = self._unsampled, None
         if step is None:
             return
@@ -226,7 +240,7 @@ class ModelRunner:
         step still waiting for its grammar rows is the newest: it is completed only when its
         own output is the one taken, so reading an older one never waits for those rows."""
         if not self._submitted:
-            self.complete_submission()
+            self._queue_sampling()
         return self._submitted.popleft().result()
 
     def execute_model(self, batch: ScheduledBatch) -> RunnerOutput:
@@ -236,14 +250,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, batch: ScheduledBatch) -> DeferredOutput | _Unsampled:
+        staged = self._stage(batch) if batch.seqs else None
+        self._queue_sampling()  # the previous step's, which this one's inputs may read
         for seq_id in batch.finished_seq_ids:
             self.generators.pop(seq_id, None)
             self._sampled_in.pop(seq_id, None)
         if self.speculator is not None and batch.finished_seq_ids:
             self.speculator.release(batch.finished_seq_ids)
-        if not batch.seqs:
+        if staged is None:
             return DeferredOutput.empty()
-        hidden, rows = self._forward(batch)
+        hidden, rows = self._forward(staged)
         sample_seqs = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         logits = self.model.compute_logits(hidden.index_select(0, rows)) if sample_seqs else None
         want = [s.params.logprobs for s in sample_seqs]
@@ -349,20 +365,39 @@ class ModelRunner:
         if self._structured_output is not None:
             self._structured_output.shutdown()
 
-    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states of the step's rows (padding rows included for a graph) and, on the
-        device, the rows whose sequences sample. A decode step replays a CUDA graph when there
-        is one for its batch; prefill, chunked-prefill and mixed steps run eagerly."""
+    def _stage(self, batch: ScheduledBatch) -> _Staged:
+        """The step's inputs built on the host, their ids and sampling rows queued to the
+        device; nothing here reads an earlier step's output."""
         n = len(batch.seqs)
         size = None
         if self.graphs is not None and max(batch.num_new_tokens) == 1:
             size = self.graphs.padded_size(n)
-        verify = self._verify_size(batch)
         pin = self.device.type == "cuda"
         step = build_step_inputs(batch, self.block_size, size or n, pin)
-        rows = step.sample_rows.to(self.device, non_blocking=True)
-        input_ids = step.input_ids.to(self.device, non_blocking=True)
+        # A decode graph's buffers take all but the ids now, unless a verification in flight
+        # may still move its sequences (`_shift_rows`: speculative decoding).
+        on_graph = size is not None and self.speculator is None
+        if on_graph:
+            self.graphs.stage(
+                step.positions, step.slot_mapping, step.context_lens, step.block_tables
+            )
+        return _Staged(
+            step,
+            size,
+            on_graph,
+            self._verify_size(batch),
+            step.sample_rows.to(self.device, non_blocking=True),
+            step.input_ids.to(self.device, non_blocking=True),
+        )
+
+    def _forward(self, staged: _Staged) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states of the step's rows (padding rows included for a graph) and, on the
+        device, the rows whose sequences sample. A decode step replays a CUDA graph when there
+        is one for its batch; prefill, chunked-prefill and mixed steps run eagerly."""
+        step, size, on_graph, verify, rows, input_ids = staged
         self._fill_placeholders(input_ids, step)  # may move some of `step` to the device
+        if on_graph:
+            return self.graphs.launch(input_ids, size), rows
         if size is not None:
             return self.graphs.replay(step, input_ids), rows
         if verify is not None:
@@ -406,9 +441,9 @@ class ModelRunner:
             src.append(out.rows[seq_id])
             owners.append(index)
         for out, dst, src, owners in sources.values():
-            src_rows = self._to_device(src, torch.long)
+            src_rows, dst_rows = self._to_device(src + dst, torch.long).split(len(src))
             tokens = out.next_input_ids.index_select(0, src_rows)
-            input_ids.index_copy_(0, self._to_device(dst, torch.long), tokens)
+            input_ids.index_copy_(0, dst_rows, tokens)
             if isinstance(out, VerifiedOutput):
                 self._shift_rows(step, owners, out.num_accepted.index_select(0, src_rows))
 

@@ -35,12 +35,18 @@ class CompiledGrammar:
     """The templates (lanes) of one cache key, and how many live requests each serves."""
 
     def __init__(
-        self, compile: Callable[[], LLMatcher], template: LLMatcher, compile_s: float
+        self,
+        compile: Callable[[], LLMatcher],
+        template: LLMatcher,
+        compile_s: float,
+        free_keys: bool = True,
     ) -> None:
         """``compile``: makes another template exactly like ``template`` (same grammar text
-        and limits); ``compile_s``: how long ``template`` took."""
+        and limits); ``compile_s``: how long ``template`` took; ``free_keys``: whether its
+        answers may hold keys that could repeat (``json_keys.may_repeat_keys``)."""
         self.compile = compile
         self.compile_s = compile_s
+        self.free_keys = free_keys
         self.growing = False  # a lane is being compiled
         self._can_grow = compile_s <= LANE_COMPILE_LIMIT_S
         self._lanes = [template]

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["KeyTokenIndex", "KeyTracker"]
+__all__ = ["KeyTokenIndex", "KeyTracker", "may_repeat_keys"]
 
 QUOTE, BACKSLASH, LETTER_U = 0x22, 0x5C, 0x75
 # What the character after a backslash stands for (other than "u").
@@ -26,6 +26,55 @@ ESCAPES = {ord(k): ord(v) for k, v in zip('"\\/bfnrt', '"\\/\b\f\n\r\t', strict=
 STRING_RUN = re.compile(rb'[^"\\]+')  # string bytes that stand for themselves
 SYNTAX = re.compile(rb'[{}\[\],"]')  # the bytes that matter outside strings
 WordBits = tuple[tuple[int, int], ...]  # tokens as (mask word index, their bits in that word)
+# JSON Schema keywords whose value is a schema, a list of schemas, or a map of names to schemas;
+# and those whose value is data (never read as a schema).
+ONE_SCHEMA = frozenset(
+    "items additionalItems additionalProperties unevaluatedItems unevaluatedProperties "
+    "propertyNames contains not if then else".split()
+)
+SCHEMA_LISTS = frozenset("prefixItems anyOf oneOf allOf".split())
+SCHEMA_MAPS = frozenset("properties patternProperties $defs definitions dependentSchemas".split())
+DATA = frozenset("type enum const default examples required dependentRequired".split())
+# Keywords that every value of their schema must meet, admitting only what their subschemas
+# (or a constant) admit.
+BOUNDED_BY = frozenset("anyOf oneOf allOf $ref enum const".split())
+
+
+def may_repeat_keys(schema: object) -> bool:
+    """Whether an answer to ``schema`` may hold an object with free keys (not declared in
+    ``properties``): llguidance writes declared properties at most once each, in their order,
+    so only free keys can repeat, and an answer without them needs no ``KeyTracker``. Anything
+    not plainly closed counts as free: ``true``, a schema that does not exclude objects and
+    leaves ``additionalProperties`` open, a keyword this does not know holding a schema."""
+    pending = [schema]
+    while pending:
+        node = pending.pop()
+        if node is True:
+            return True
+        if not isinstance(node, dict):
+            continue
+        if _admits_free_keys(node):
+            return True
+        for keyword, value in node.items():
+            if keyword in ONE_SCHEMA:
+                pending.append(value)
+            elif keyword in SCHEMA_LISTS or (keyword == "items" and isinstance(value, list)):
+                pending += value if isinstance(value, list) else [True]
+            elif keyword in SCHEMA_MAPS:
+                pending += value.values() if isinstance(value, dict) else [True]
+            elif keyword not in DATA and isinstance(value, dict | list):
+                return True
+    return False
+
+
+def _admits_free_keys(schema: dict) -> bool:
+    if not BOUNDED_BY.isdisjoint(schema):
+        return False  # what it admits is bounded by those (looked at apart) or by a constant
+    kind = schema.get("type")
+    kinds = [kind] if isinstance(kind, str) else kind
+    if isinstance(kinds, list) and kinds and "object" not in kinds:
+        return False  # no object here (its subschemas are looked at apart)
+    return schema.get("additionalProperties", True) is not False or "patternProperties" in schema
 
 
 class KeyTracker:

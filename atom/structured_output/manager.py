@@ -36,7 +36,7 @@ import torch
 from atom.config import EngineConfig, StructuredOutputWhitespace, default_grammar_threads
 from atom.structured_output.backend_guidance import GrammarError, GuidanceBackend
 from atom.structured_output.grammar_lanes import CompiledGrammar
-from atom.structured_output.json_keys import KeyTokenIndex, KeyTracker
+from atom.structured_output.json_keys import KeyTokenIndex, KeyTracker, may_repeat_keys
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -103,6 +103,7 @@ class GrammarState:
         end_marker: bytes | None,
         key_index: KeyTokenIndex,
         json_answer: bool = True,
+        free_keys: bool = True,
     ) -> None:
         self.request_id = request_id
         self.matcher = matcher
@@ -122,10 +123,13 @@ class GrammarState:
         self.active = not self._marker
         self._tail = b""
         self._key_index = key_index
-        # Only a JSON answer has keys; a text constraint's (``text_constraints``) never does.
+        # Only a JSON answer has keys (a text constraint's, ``text_constraints``, never does),
+        # and only free ones can repeat (``free_keys``: ``json_keys.may_repeat_keys``).
         self._json = json_answer
-        self.keys = KeyTracker(key_index.watched) if json_answer else _NO_KEYS
-        self._answer = bytearray()  # the bytes the matcher consumed: rollback replays ``keys``
+        self._tracks_keys = json_answer and free_keys
+        self.keys = KeyTracker(key_index.watched) if self._tracks_keys else _NO_KEYS
+        # The bytes the matcher consumed while keys are tracked: rollback replays ``keys``.
+        self._answer = bytearray()
         # Per committed token: (matcher tokens consumed, active, tail, answer length) before it.
         self._history: list[tuple[int, bool, bytes, int]] = []
 
@@ -143,8 +147,9 @@ class GrammarState:
         return all(self._consume_token(t) for t in tokens)
 
     def _feed(self, data: bytes) -> None:
-        self.keys.feed(data)
-        self._answer += data
+        if self._tracks_keys:
+            self.keys.feed(data)
+            self._answer += data
 
     def _advance(self, token: int, speculative: bool) -> tuple[bool, int]:
         """Feed one output token; returns (accepted, matcher tokens consumed)."""
@@ -202,12 +207,13 @@ class GrammarState:
         if not ok:
             self.error = REJECTED
             return
-        data = self._token_bytes(token)
         self._history.append((1, self.active, self._tail, len(self._answer)))
-        self.keys.feed(data)
-        self._answer += data
-        if self.keys.repeated:
-            self.error = REPEATED
+        if self._tracks_keys:
+            data = self._token_bytes(token)
+            self.keys.feed(data)
+            self._answer += data
+            if self.keys.repeated:
+                self.error = REPEATED
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` commits (replay of unacknowledged tokens)."""
@@ -221,7 +227,7 @@ class GrammarState:
         if undo:
             _, self.active, self._tail, answer_length = undo[0]
             del self._answer[answer_length:]
-            if self._json:
+            if self._tracks_keys:
                 self.keys = KeyTracker.replay(bytes(self._answer), self._key_index.watched)
 
     def wants_mask(self, words: np.ndarray, row: int) -> bool:
@@ -409,7 +415,7 @@ class StructuredOutputManager:
             start = time.perf_counter()
             template = compile_again()
             entry: CompiledGrammar | _Failed = CompiledGrammar(
-                compile_again, template, time.perf_counter() - start
+                compile_again, template, time.perf_counter() - start, may_repeat_keys(lowered)
             )
         except GrammarError as exc:
             entry = _Failed(f"schema not supported: {exc}")
@@ -453,6 +459,7 @@ class StructuredOutputManager:
             getattr(spec, "end_marker", None),
             self.key_index,
             json_answer=not isinstance(_grammar_source(spec)[1], str),
+            free_keys=found.free_keys,
         )
         state.lane = lane
         with self._lock:

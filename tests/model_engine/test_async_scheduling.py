@@ -44,6 +44,28 @@ def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]
     return outputs
 
 
+def _run_aborting(engine: LLMEngine, requests: dict, victim: str, after: int) -> dict:
+    """`_run`, aborting `victim` once it has `after` output tokens, while its next token is
+    being computed (in the batch in flight)."""
+    core = engine.cores[0]
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    outputs: dict[str, list] = {rid: [] for rid in requests}
+    aborted = False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+        seq = core.scheduler.requests.get(victim)
+        if not aborted and seq is not None and seq.num_output_tokens >= after:
+            assert core._in_flight is not None and seq in core._in_flight.seqs
+            assert seq.num_placeholders == 1
+            engine.abort_request([victim])
+            aborted = True
+    assert aborted
+    _assert_all_free(engine)
+    return outputs
+
+
 def _assert_all_free(engine: LLMEngine) -> None:
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
@@ -118,22 +140,7 @@ def test_cancel_mid_flight(tiny_llama_dir):
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     requests = {f"r{i}": (p, params) for i, p in enumerate(_prompts(3))}
     reference = _run(_engine(tiny_llama_dir, False), requests)
-    engine = _engine(tiny_llama_dir, True)
-    core = engine.cores[0]
-    for rid, (prompt, p) in requests.items():
-        engine.add_request(rid, prompt, p)
-    outputs: dict[str, list] = {rid: [] for rid in requests}
-    aborted = False
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id].append(out)
-        victim = core.scheduler.requests.get("r1")
-        if not aborted and victim is not None and victim.num_output_tokens >= 5:
-            assert core._in_flight is not None and victim in core._in_flight.seqs
-            assert victim.num_placeholders == 1  # its next token is being computed
-            engine.abort_request(["r1"])
-            aborted = True
-    _assert_all_free(engine)
+    outputs = _run_aborting(_engine(tiny_llama_dir, True), requests, "r1", after=5)
     final = outputs["r1"][-1]
     assert final.finish_reason == "abort" and len(final.output_token_ids) == 5
     assert final.output_token_ids == reference["r1"][-1].output_token_ids[:5]
@@ -181,6 +188,36 @@ def test_structured_output_async_matches_sync(smollm2_dir, monkeypatch, inline_r
         final = results[True][rid][-1]
         assert final.error is None and final.finish_reason == "stop"
         assert set(json.loads(final.text)) == {"name", "age"}
+
+
+def test_abort_while_the_grammar_rows_are_pending(smollm2_dir, monkeypatch):
+    """The rank queues a constrained step's sampling only when the next step is submitted, so an
+    abort between steps meets that step's grammar work still running on the grammar thread: the
+    aborted request's state is released (nothing left live), every block comes back, and the
+    other requests' answers equal those of an engine without the abort."""
+    pytest.importorskip("llguidance")
+    from atom.entrypoints.openai.protocol import parse_chat_response_format
+    from atom.structured_output import worker
+    from atom.structured_output.spec import StructuredOutputSpec
+
+    monkeypatch.setattr(worker, "INLINE_ROWS", 0)  # every step's rows on the grammar thread
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 30}
+    fmt = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": schema}}
+    spec = StructuredOutputSpec.of(parse_chat_response_format(fmt), None)
+    constrained = SamplingParams(temperature=0.0, max_tokens=30, structured_output=spec)
+    plain = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    requests = {f"json{i}": (p, constrained) for i, p in enumerate(_prompts(3, base=8))}
+    requests["plain"] = (_prompts(1)[0], plain)
+    reference = _run(_engine(smollm2_dir, False, max_model_len=512), requests)
+
+    engine = _engine(smollm2_dir, True, max_model_len=512)
+    outputs = _run_aborting(engine, requests, "json1", after=4)
+    assert outputs["json1"][-1].finish_reason == "abort"
+    (runner,) = engine.executor.workers
+    assert runner.structured_output.stats()["live_grammar_states"] == 0
+    for rid in ("json0", "json2", "plain"):
+        assert _summary(outputs[rid]) == _summary(reference[rid]), rid
+        assert outputs[rid][-1].error is None
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

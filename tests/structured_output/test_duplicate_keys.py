@@ -150,6 +150,72 @@ def test_tracker_copies_are_independent() -> None:
     assert not probe.repeated and probe.in_key
 
 
+# ---- which schemas need the tracker ---------------------------------------------------------
+
+CLOSED_PAIR = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("schema", "free"),
+    [
+        (CLOSED_PAIR, False),
+        ({"type": "array", "items": {"type": "integer"}}, False),
+        ({"type": "array", "items": CLOSED_PAIR, "uniqueItems": True}, False),
+        ({"type": ["string", "null"]}, False),
+        ({"anyOf": [{"type": "string"}, CLOSED_PAIR]}, False),
+        ({"$ref": "#/$defs/p", "$defs": {"p": CLOSED_PAIR}}, False),
+        ({"enum": [{"a": 1}, 2]}, False),
+        ({"type": "object", "properties": {"a": CLOSED_PAIR}}, True),  # the outer one is open
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"type": "object"}},
+                "additionalProperties": False,
+            },
+            True,
+        ),
+        ({**CLOSED_PAIR, "patternProperties": {"^x": {}}}, True),
+        ({"type": "array", "items": True}, True),
+        ({"type": "array", "prefixItems": [{}]}, True),
+        ({"anyOf": [{"type": "string"}, {"required": ["a"]}]}, True),
+        ({"not": {"type": "string"}}, True),
+        ({"$ref": "#/$defs/p", "$defs": {"p": OPEN}}, True),
+        ({"type": "object", "x-unknown": {"type": "object"}, "additionalProperties": False}, True),
+        (True, True),
+        ({}, True),
+    ],
+)
+def test_free_keys_of_a_schema(schema, free) -> None:
+    from atom.structured_output.json_keys import may_repeat_keys
+
+    assert may_repeat_keys(schema) is free
+
+
+def test_llguidance_never_repeats_a_declared_property(smollm2_dir) -> None:
+    """Why a closed schema needs no tracker: the grammar itself takes each declared property at
+    most once (in order), open or closed; only a free key can come twice."""
+    from transformers import AutoTokenizer
+
+    manager = StructuredOutputManager(AutoTokenizer.from_pretrained(smollm2_dir), vocab_size=49152)
+    open_pair = {**CLOSED_PAIR, "additionalProperties": True}
+
+    def accepts(schema: dict, text: str) -> bool:
+        matcher = manager.backend.compiler(schema)()
+        tokens = manager.backend.tokenize_bytes(text.encode())
+        return matcher.try_consume_tokens(tokens) == len(tokens)
+
+    for schema in (CLOSED_PAIR, open_pair):
+        assert accepts(schema, '{"a": 1, "b": 2}')
+        assert not accepts(schema, '{"a": 1, "a": 2}')
+        assert not accepts(schema, '{"a": 1, "b": 2, "a": 3}')
+    assert accepts(open_pair, '{"x": 1, "x": 2}')  # free keys do repeat: tracked
+    manager.shutdown()
+
+
 # ---- the mask with real tokenizers ---------------------------------------------------------
 
 
