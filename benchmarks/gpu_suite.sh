@@ -22,7 +22,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target /tmp/site .whl/*.whl >/dev/null 2>&1 || exit 3
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export ATOM_TEST_TOKENIZER_DIR=$PWD/.gpu_assets/smollm2-tokenizer
-out=/tmp/gpu && mkdir -p $out
+out=/tmp/gpu && rm -rf $out && mkdir -p $out  # a warm machine keeps the last call's files
 pack() { tar czf "$OUT/gpu.tgz" -C $out .; }
 trap pack EXIT
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.log
@@ -128,5 +128,9 @@ structured() {  # the structured-output overhead, grammar states in the engine's
     step engine 130 python3 benchmarks/bench_engine.py --device cuda --random-llama-1b \
         --variants graphs-async --out $out
 }
-"${1:?bench, check, grammar, overlap, racecheck, spec or structured}"
+gpu_tests() {  # the GPU tests alone
+    step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
+        --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
+}
+"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec or structured}"
 tail -n 200 $out/summary.log

@@ -119,13 +119,13 @@ def _replayed_sizes(llm: LLM, monkeypatch) -> list[int]:
     """Record the padded size of every graph replay of `llm`'s runner."""
     graphs = llm.engine.executor.workers[0].graphs
     sizes: list[int] = []
-    replay = graphs.replay
+    launch = graphs.launch  # every replay ends here, staged or not
 
-    def spy(step, input_ids):
-        sizes.append(step.context_lens.numel())
-        return replay(step, input_ids)
+    def spy(input_ids, size):
+        sizes.append(size)
+        return launch(input_ids, size)
 
-    monkeypatch.setattr(graphs, "replay", spy)
+    monkeypatch.setattr(graphs, "launch", spy)
     return sizes
 
 
