@@ -128,9 +128,19 @@ structured() {  # the structured-output overhead, grammar states in the engine's
     step engine 130 python3 benchmarks/bench_engine.py --device cuda --random-llama-1b \
         --variants graphs-async --out $out
 }
+traces() {  # GPU tests, then where a constrained step's time goes at batch 16 and 64: Chrome
+    # traces (host threads and kernels) and the grammar work inline against on its thread
+    gpu_tests
+    step profile_traced 150 python3 benchmarks/profile_step.py --random-llama-1b --device cuda \
+        --batch-sizes 16 64 --schemas mostly-forbidden --steps 24 --profile-steps 4 --trace \
+        --trace-dir $out --tag traced --out $out
+    step profile_inline 150 python3 benchmarks/profile_step.py --random-llama-1b --device cuda \
+        --batch-sizes 16 64 --schemas mostly-forbidden --steps 24 --profile-steps 2 \
+        --inline-rows 64 --tag inline --out $out
+}
 gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec or structured}"
+"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec, structured or traces}"
 tail -n 200 $out/summary.log

@@ -36,17 +36,24 @@ RESULTS = Path(__file__).parent / "results"
 
 
 class Segments:
-    """Accumulated wall time per segment name while `on`."""
+    """Accumulated wall time per segment name while `on`; a named range of the profiler's
+    trace per segment while `annotate` (the profiled steps), on whichever thread runs it."""
 
     def __init__(self) -> None:
         self.on = False
+        self.annotate = False
         self.total: dict[str, float] = defaultdict(float)
 
     def wrap(self, owner: Any, name: str, label: str) -> None:
+        import torch
+
         fn = getattr(owner, name)
 
         @functools.wraps(fn)
         def timed(*a, **kw):
+            if self.annotate:
+                with torch.profiler.record_function(label):
+                    return fn(*a, **kw)
             if not self.on:
                 return fn(*a, **kw)
             t0 = time.perf_counter()
@@ -134,7 +141,9 @@ def run_setting(
             walls.append(time.perf_counter() - t0)
             segments.on = False
         elif full and profiled is None:
+            segments.annotate = True
             profiled = profile(engine, args.profile_steps, trace)
+            segments.annotate = False
         else:
             engine.step()
     if torch.cuda.is_available():
@@ -217,6 +226,13 @@ def parse_args() -> argparse.Namespace:
         "--grammar-process", choices=["on", "off"], default=None, help="default: the engine's (off)"
     )
     ap.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument(
+        "--inline-rows",
+        type=int,
+        default=None,
+        help="steps with at most this many constrained rows do their grammar work on the engine "
+        "thread (default: structured_output.worker.INLINE_ROWS)",
+    )
     ap.add_argument("--tag", default="", help="suffix of the output file")
     ap.add_argument("--trace", action="store_true", help="write gzipped Chrome traces")
     ap.add_argument("--trace-dir", type=Path, default=RESULTS)
@@ -229,6 +245,12 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.trace:
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
+    if args.inline_rows is not None:
+        from atom.structured_output import worker
+
+        worker.INLINE_ROWS = args.inline_rows
     args.model = bss.resolve_model(args)
     engine = make_engine(args)
     schemas = {k: bss.RANDOM_SCHEMAS[k] for k in args.schemas} if args.random_llama_1b else None
