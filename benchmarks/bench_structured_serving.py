@@ -59,8 +59,8 @@ with min and max:
 - A/A control = plain2 / plain
 
 The engine thread's structured-output hooks are also timed inside each step of the parent
-process (the rank's `StructuredOutputWorker.start_step`, which hands a step's commit and mask
-fill to the grammar thread, and `finish_step`, which waits for the rows and applies them;
+process (the rank's `StructuredOutputWorker.start_step`, which hands a step's commit, mask fill
+and mask of the logits to the grammar thread, and `finish_step`, which waits for that work;
 wrapped on the instance): their time per window step, as a share of the plain TPOT, is the part
 of the overhead the engine thread spends on grammar work, measured without the run-to-run noise
 of a shared machine. Grammar-thread work that overlaps the engine thread's is not in it.
@@ -244,8 +244,8 @@ class StepTimer:
     """Records, per `engine.step()`, the shapes of the batches the scheduler built in this step
     and the one before (with asynchronous scheduling a step submits one and reads the other)
     and (with `grammar=True`) the time the engine thread spent in its structured-output hooks
-    (`start_step`: hand the commit and fill to the grammar thread; `finish_step`: wait for the
-    rows, apply them). It wraps methods of this engine's
+    (`start_step`: hand the commit, fill and mask to the grammar thread; `finish_step`: wait
+    for them). It wraps methods of this engine's
     instances; nothing in `atom` is changed. The `never` process wraps only the scheduler, so
     nothing of the runner path differs there."""
 

@@ -14,6 +14,8 @@
 #                                          checkout against this one; about 7 minutes)
 #   bash benchmarks/gpu_suite.sh structured (structured-output overhead, grammar process off and
 #                                          on; about 8 minutes)
+#   bash benchmarks/gpu_suite.sh final     (GPU tests, memcheck, structured overhead of one
+#                                          schema, traces of a step; about 7 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -128,19 +130,21 @@ structured() {  # the structured-output overhead, grammar states in the engine's
     step engine 130 python3 benchmarks/bench_engine.py --device cuda --random-llama-1b \
         --variants graphs-async --out $out
 }
-traces() {  # GPU tests, then where a constrained step's time goes at batch 16 and 64: Chrome
-    # traces (host threads and kernels) and the grammar work inline against on its thread
+final() {  # one call: GPU tests, memcheck of the asynchronous path, the structured-output
+    # overhead (mostly-forbidden), then where a constrained step's time goes at batch 16 and 64
+    # (Chrome traces of host ranges and kernels)
     gpu_tests
-    step profile_traced 150 python3 benchmarks/profile_step.py --random-llama-1b --device cuda \
-        --batch-sizes 16 64 --schemas mostly-forbidden --steps 24 --profile-steps 4 --trace \
+    step memcheck 120 compute-sanitizer --tool memcheck --print-limit 20 \
+        python3 benchmarks/sanitize_engine.py
+    step structured 150 python3 benchmarks/bench_structured_serving.py --random-llama-1b \
+        --device cuda --schema-kinds mostly-forbidden --tag final --out $out
+    step profile_traced 120 python3 benchmarks/profile_step.py --random-llama-1b --device cuda \
+        --batch-sizes 16 64 --schemas mostly-forbidden --steps 16 --profile-steps 3 --trace \
         --trace-dir $out --tag traced --out $out
-    step profile_inline 150 python3 benchmarks/profile_step.py --random-llama-1b --device cuda \
-        --batch-sizes 16 64 --schemas mostly-forbidden --steps 24 --profile-steps 2 \
-        --inline-rows 64 --tag inline --out $out
 }
 gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec, structured or traces}"
+"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec, structured or final}"
 tail -n 200 $out/summary.log

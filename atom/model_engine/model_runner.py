@@ -5,11 +5,11 @@ target rows] -> sampler.
 Every public method is callable by name through `Executor.collective_rpc`.
 
 A batch with constrained requests hands its host grammar work (commit the acknowledged tokens,
-fill the mask rows) to the structured-output worker's thread once its forward is queued; its
-sampling is queued only once the rows are filled, when the next step is submitted (after that
-step's inputs are built, so that building them, and the engine's reading of the previous output,
-run while the grammar works) or when its own output is taken. Building the next step's inputs
-first keeps them off the path between this step's rows and the next forward: the device runs
+fill the mask rows, queue the mask of its logits) to the structured-output worker's thread once
+its forward is queued; its sampling is queued only after that work, when the next step is
+submitted (once that step's inputs are built: building them, and the engine's reading of the
+previous output, run while the grammar works) or when its own output is taken. So only the
+sampling and the next forward's launch follow the grammar work on the host: the device runs
 that forward right after this step's sampling.
 
 On CUDA the forward of a decode step replays a CUDA graph (`cuda_graph.DecodeGraphs`, captured
@@ -73,13 +73,13 @@ class _Staged(NamedTuple):
 @dataclass
 class _Unsampled:
     """A submitted step up to its logits: the sequences that sample (in row order), their
-    logits, raw logprobs where asked, and the grammar rows being filled for them, if any."""
+    logits, raw logprobs where asked, and the grammar work masking those logits, if any."""
 
     seqs: list[Sequence]
     logits: torch.Tensor | None
     raw_logprobs: torch.Tensor | None
     want: list[int | None]
-    grammar_rows: Future | None = None
+    masking: Future | None = None  # the grammar work masking `logits`; its result: errors
     drafts: list[list[int]] | None = None  # per sequence, when the step verifies drafts
 
 
@@ -226,7 +226,7 @@ class ModelRunner:
         if step is None:
             return
         try:
-            errors = self.structured_output.finish_step(step.grammar_rows, step.logits)
+            errors = self.structured_output.finish_step(step.masking)
         except Exception as e:  # noqa: BLE001 - the step's constrained requests fail, not the rest
             errors = {
                 s.seq_id: f"structured output: grammar step failed: {e!r}"
@@ -273,9 +273,8 @@ class ModelRunner:
             step.drafts = list(compress(batch.draft_token_ids, batch.sampling))
         if not batch.has_constrained:
             return self._sample(step, {})
-        vocab = logits.shape[1] if logits is not None else 0
-        step.grammar_rows = self.structured_output.start_step(
-            self._grammar_updates(batch), sample_seqs, vocab, step.drafts
+        step.masking = self.structured_output.start_step(
+            self._grammar_updates(batch), sample_seqs, logits, step.drafts
         )
         return step
 

@@ -11,10 +11,11 @@ request's life on a rank:
 - ``prepare`` (the engine core, while the request waits in the scheduler): binds the request's
   own matcher as soon as its grammar is compiled, and says so; never waits for a compile.
 - every step it is scheduled, on this rank's grammar thread (``start_step``): commit the
-  acknowledged tokens, then fill its mask row with llguidance (the rows of different requests
-  at once on ``EngineConfig.structured_output_threads`` threads), while the engine thread reads
-  the previous step's output; then, on the engine thread (``finish_step``), apply the rows with
-  the Triton kernel on GPU or the reference on CPU.
+  acknowledged tokens, fill its mask row with llguidance (the rows of different requests at
+  once on ``EngineConfig.structured_output_threads`` threads) and apply the rows to the step's
+  logits (the Triton kernel, queued on the step's stream, on GPU; the reference on CPU), while
+  the engine thread reads the previous step's output and builds the next step's inputs; the
+  engine thread waits for it (``finish_step``) before it queues the sampling.
 - ``release`` on any terminal path, idempotently.
 
 With ``EngineConfig.structured_output_grammar_process`` the states live in a process of their own (``grammar_process``): the same
@@ -23,6 +24,7 @@ steps run there, on their own interpreter, and write the rows into memory both p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -165,59 +167,75 @@ class StructuredOutputWorker:
         self,
         updates: Callable[[], list[GrammarUpdate]],
         seqs: list[Sequence],
-        vocab_size: int,
+        logits: torch.Tensor | None,
         drafts: list[list[int]] | None = None,
-    ) -> Future[GrammarRows]:
+    ) -> Future[dict[int, str]]:
         """Start one step's host grammar work on this rank's grammar thread and return at once
         (a step with at most ``INLINE_ROWS`` constrained rows does it here, before returning).
 
         There, ``updates()`` (which may wait for the previous step's sampled ids) is committed,
-        then the rows of the constrained requests among ``seqs`` (the step's sampling sequences,
-        in logits row order) are filled; meanwhile the caller's thread goes on with other work
-        (reading the previous step's output). ``finish_step`` applies the rows. ``drafts``
-        (speculative decoding): per sequence its draft tokens, whose ``1 + len`` logits rows
-        get the masks after each draft prefix.
+        the rows of the constrained requests among ``seqs`` (the step's sampling sequences, in
+        ``logits`` row order; after raw logprobs were taken) are filled, and ``logits`` are
+        masked with them in place: on CUDA the H2D copy and the kernel are queued on the stream
+        current here, as soon as the rows are ready, while the caller's thread goes on with
+        other work (reading the previous step's output, building the next inputs). Nothing may
+        read ``logits`` before ``finish_step``. ``drafts`` (speculative decoding): per sequence
+        its draft tokens, whose ``1 + len`` logits rows get the masks after each draft prefix.
         """
         self._switch_interval = sys.getswitchinterval()
         constrained = sum(s.params.structured_output is not None for s in seqs)
         drafts = drafts if drafts is not None else [[]] * len(seqs)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        args = (updates, seqs, logits, drafts, stream)
         if constrained <= INLINE_ROWS:
-            done: Future[GrammarRows] = Future()
+            done: Future[dict[int, str]] = Future()
             try:
-                done.set_result(self._step(updates, seqs, vocab_size, drafts))
+                done.set_result(self._step(*args))
             except Exception as e:  # noqa: BLE001 - raised by finish_step, as from the thread
                 done.set_exception(e)
             return done
         sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
-        return self._step_thread.submit(self._step, updates, seqs, vocab_size, drafts)
+        return self._step_thread.submit(self._step, *args)
 
-    def finish_step(self, step: Future[GrammarRows], logits: torch.Tensor) -> dict[int, str]:
-        """Wait for a step's rows and mask ``logits`` with them in place (after raw logprobs
-        were taken, before sampling; on CUDA the H2D copy and the kernel are queued on the
-        current stream). Returns structured-output errors by sequence id: those requests end
-        with "error" and their sampled token is dropped."""
+    def finish_step(self, step: Future[dict[int, str]]) -> dict[int, str]:
+        """Wait for a step's grammar work: its logits are masked (or, on CUDA, their mask is
+        queued) once this returns. Returns structured-output errors by sequence id: those
+        requests end with "error" and their sampled token is dropped."""
         try:
-            rows = step.result()
+            return step.result()
         finally:
             sys.setswitchinterval(self._switch_interval)
-        if rows.num_rows:
-            assert self._mask_buffers is not None
-            self._mask_buffers.apply(logits, rows.num_rows, rows.logits_rows)
-        return rows.errors
 
+    @torch.inference_mode()
     def _step(
         self,
         updates: Callable[[], list[GrammarUpdate]],
         seqs: list[Sequence],
-        vocab_size: int,
+        logits: torch.Tensor | None,
         drafts: list[list[int]],
-    ) -> GrammarRows:
+        stream: torch.cuda.Stream | None,
+    ) -> dict[int, str]:
         """Commit the acknowledged tokens (a rejected one marks only its request; one without a
-        state on this rank is failed by ``fill_rows``), then fill the step's rows."""
-        jobs = self._jobs(seqs, drafts)
+        state on this rank is failed by ``fill_rows``), fill the step's rows, mask ``logits``
+        (on ``stream``, the engine thread's) with them; the errors by sequence id."""
+        rows = self._fill(updates, self._jobs(seqs, drafts), logits)
+        if rows.num_rows:
+            assert self._mask_buffers is not None and logits is not None
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self._mask_buffers.apply(logits, rows.num_rows, rows.logits_rows)
+        return rows.errors
+
+    def _fill(
+        self,
+        updates: Callable[[], list[GrammarUpdate]],
+        jobs: list[RowJob],
+        logits: torch.Tensor | None,
+    ) -> GrammarRows:
         commits = [(u.request_id, u.new_token_ids) for u in updates()]
         if self._mask_buffers is None:
-            self._mask_buffers = self._new_mask_buffers(vocab_size)
+            self._mask_buffers = self._new_mask_buffers(
+                logits.shape[1] if logits is not None else 0
+            )
         if self.process is not None:
             self._mask_buffers.wait_host_free()  # the child writes into the rows the copy reads
             return self.process.call("step", commits, jobs)

@@ -494,8 +494,7 @@ def test_eos_is_allowed_only_when_the_grammar_accepts(ds):
             logits = torch.zeros(1, runner.model.lm_head.org_vocab_size)
             seq = Sequence("eos-probe", [0], SamplingParams(structured_output=spec))
             with torch.inference_mode():  # as inside execute_model
-                rows = worker.start_step(list, [seq], logits.shape[1])
-                assert worker.finish_step(rows, logits) == {}
+                assert worker.finish_step(worker.start_step(list, [seq], logits)) == {}
             return bool(torch.isfinite(logits[0, eos]))
 
         assert not eos_allowed()  # nothing generated yet
