@@ -190,7 +190,7 @@ def test_structured_output_async_matches_sync(smollm2_dir, monkeypatch, inline_r
         assert set(json.loads(final.text)) == {"name", "age"}
 
 
-def test_abort_while_the_grammar_rows_are_pending(smollm2_dir, monkeypatch):
+def test_abort_while_the_grammar_rows_are_pending(tiny_llama_dir, monkeypatch):
     """The rank queues a constrained step's sampling only when the next step is submitted, so an
     abort between steps meets that step's grammar work still running on the grammar thread: the
     aborted request's state is released (nothing left live), every block comes back, and the
@@ -204,13 +204,13 @@ def test_abort_while_the_grammar_rows_are_pending(smollm2_dir, monkeypatch):
     schema = {"type": "array", "items": {"type": "integer"}, "minItems": 30}
     fmt = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": schema}}
     spec = StructuredOutputSpec.of(parse_chat_response_format(fmt), None)
-    constrained = SamplingParams(temperature=0.0, max_tokens=30, structured_output=spec)
-    plain = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.0, max_tokens=24, structured_output=spec)
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     requests = {f"json{i}": (p, constrained) for i, p in enumerate(_prompts(3, base=8))}
     requests["plain"] = (_prompts(1)[0], plain)
-    reference = _run(_engine(smollm2_dir, False, max_model_len=512), requests)
+    reference = _run(_engine(tiny_llama_dir, False), requests)
 
-    engine = _engine(smollm2_dir, True, max_model_len=512)
+    engine = _engine(tiny_llama_dir, True)
     outputs = _run_aborting(engine, requests, "json1", after=4)
     assert outputs["json1"][-1].finish_reason == "abort"
     (runner,) = engine.executor.workers
