@@ -51,6 +51,9 @@ def may_repeat_keys(schema: object) -> bool:
         node = pending.pop()
         if node is True:
             return True
+        if isinstance(node, list):  # a list of schemas (``items`` as a list: older drafts)
+            pending += node
+            continue
         if not isinstance(node, dict):
             continue
         if _admits_free_keys(node):
@@ -58,7 +61,7 @@ def may_repeat_keys(schema: object) -> bool:
         for keyword, value in node.items():
             if keyword in ONE_SCHEMA:
                 pending.append(value)
-            elif keyword in SCHEMA_LISTS or (keyword == "items" and isinstance(value, list)):
+            elif keyword in SCHEMA_LISTS:
                 pending += value if isinstance(value, list) else [True]
             elif keyword in SCHEMA_MAPS:
                 pending += value.values() if isinstance(value, dict) else [True]

@@ -231,6 +231,8 @@ class StructuredOutputWorker:
         jobs: list[RowJob],
         logits: torch.Tensor | None,
     ) -> GrammarRows:
+        """Commit the acknowledged tokens and fill the rows of ``jobs``, in this process or in
+        the grammar process."""
         commits = [(u.request_id, u.new_token_ids) for u in updates()]
         if self._mask_buffers is None:
             self._mask_buffers = self._new_mask_buffers(

@@ -181,6 +181,8 @@ CLOSED_PAIR = {
         ({**CLOSED_PAIR, "patternProperties": {"^x": {}}}, True),
         ({"type": "array", "items": True}, True),
         ({"type": "array", "prefixItems": [{}]}, True),
+        ({"type": "array", "items": [{"type": "integer"}, {"type": "object"}]}, True),
+        ({"type": "array", "items": [{"type": "integer"}, CLOSED_PAIR]}, False),
         ({"anyOf": [{"type": "string"}, {"required": ["a"]}]}, True),
         ({"not": {"type": "string"}}, True),
         ({"$ref": "#/$defs/p", "$defs": {"p": OPEN}}, True),
