@@ -9,8 +9,9 @@ batch, then reads the output of the batch submitted one step earlier, so the dev
 while the host processes outputs and builds the next inputs. A batch with constrained requests
 has its grammar rows filled on the rank's grammar thread meanwhile; the rank queues its sampling
 when the next batch is submitted, once that batch's inputs are built (`ModelRunner`). The next
-batch's inputs take the previous one's sampled ids on the device (`deferred_output`). A request that stops on a token
-the host sees only in the output has one more token in flight: it is dropped, never emitted.
+batch's inputs take the previous one's sampled ids on the device (`deferred_output`). A request
+that stops on a token the host sees only in the output has one more token in flight: it is
+dropped, never emitted.
 Synchronous scheduling reads each batch's output right after submitting it.
 
 Speculative decoding with asynchronous scheduling (n-gram drafts): once a batch is queued, the

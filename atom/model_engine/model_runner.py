@@ -220,8 +220,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _queue_sampling(self) -> None:
-        """Queue the sampling of the newest submitted step if it waits for its grammar rows
-        (filled on the grammar thread meanwhile; this waits for them)."""
+        """Queue the sampling of the newest submitted step if it waits for its grammar work
+        (rows filled and logits masked on the grammar thread meanwhile; this waits for it)."""
         step, self._unsampled = self._unsampled, None
         if step is None:
             return
