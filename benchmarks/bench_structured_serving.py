@@ -185,7 +185,8 @@ def kv_cache_bytes(args: argparse.Namespace) -> int:
 
 
 def make_engine(args: argparse.Namespace, **overrides: Any) -> Any:
-    """The benchmark's engine (`--grammar-process`); `overrides`: other `EngineConfig` fields.
+    """The benchmark's engine (`--grammar-process`, `--grammar-threads`); `overrides`: other
+    `EngineConfig` fields.
 
     Its startup heap is then frozen out of the garbage collector, as `atom serve` freezes its
     own: otherwise a full collection scans the model's and libraries' objects every so often,
@@ -195,6 +196,8 @@ def make_engine(args: argparse.Namespace, **overrides: Any) -> Any:
 
     if getattr(args, "grammar_process", None) is not None:
         overrides.setdefault("structured_output_grammar_process", args.grammar_process == "on")
+    if getattr(args, "grammar_threads", None) is not None:
+        overrides.setdefault("structured_output_threads", args.grammar_threads)
     engine = LLMEngine(
         EngineConfig(
             model=args.model,
@@ -825,6 +828,12 @@ def parse_args() -> argparse.Namespace:
         choices=["on", "off"],
         default=None,
         help="grammar states in a process of their own (default: the engine's)",
+    )
+    ap.add_argument(
+        "--grammar-threads",
+        type=int,
+        default=None,
+        help="llguidance executor threads (default: the engine's, one per core up to 16)",
     )
     ap.add_argument("--tag", default="", help="suffix of the output files")
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes, 2 repeats")

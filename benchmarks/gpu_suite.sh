@@ -16,6 +16,8 @@
 #                                          on; about 8 minutes)
 #   bash benchmarks/gpu_suite.sh final     (GPU tests, memcheck, structured overhead of one
 #                                          schema, traces of a step; about 7 minutes)
+#   bash benchmarks/gpu_suite.sh threads   (the grammar step and the structured-output overhead
+#                                          with 4, 8 and 16 llguidance threads; ~8 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -142,9 +144,20 @@ final() {  # one call: GPU tests, memcheck of the asynchronous path, the structu
         --batch-sizes 16 64 --schemas mostly-forbidden --steps 16 --profile-steps 3 --trace \
         --trace-dir $out --tag traced --out $out
 }
+threads() {  # llguidance executor threads: 4, 8, 16 (the default on the H200's 16 cores)
+    for t in 4 8 16; do
+        step grammar_step_$t 70 python3 benchmarks/bench_grammar_step.py --tokenizers deepseek \
+            --cases int-array --batches 64 256 --steps 20 --threads $t --out $out/grammar_step_$t
+    done
+    for t in 4 8 16; do
+        step structured_threads_$t 150 python3 benchmarks/bench_structured_serving.py \
+            --random-llama-1b --device cuda --schema-kinds mostly-forbidden \
+            --batch-sizes 16 64 256 --grammar-threads $t --tag threads_$t --out $out
+    done
+}
 gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec, structured or final}"
+"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec, structured, threads or final}"
 tail -n 200 $out/summary.log

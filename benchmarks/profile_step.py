@@ -192,10 +192,7 @@ def make_engine(args: argparse.Namespace) -> Any:
 
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
-    overrides = {}
-    if args.grammar_threads is not None:
-        overrides["structured_output_threads"] = args.grammar_threads
-    return bss.make_engine(args, **overrides)  # it reads --grammar-process
+    return bss.make_engine(args)  # it reads --grammar-process and --grammar-threads
 
 
 def print_table(rows: list[dict]) -> None:
