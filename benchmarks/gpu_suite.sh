@@ -18,6 +18,8 @@
 #                                          schema, traces of a step; about 7 minutes)
 #   bash benchmarks/gpu_suite.sh threads   (the grammar step and the structured-output overhead
 #                                          with 4, 8 and 16 llguidance threads; ~8 minutes)
+#   bash benchmarks/gpu_suite.sh tune      (decode attention launch configs, then the grammar
+#                                          step on 16 threads; ~8 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -155,9 +157,14 @@ threads() {  # llguidance executor threads: 4, 8, 16 (the default on the H200's 
             --batch-sizes 16 64 256 --grammar-threads $t --tag threads_$t --out $out
     done
 }
+tune() {  # every decode attention KernelConfig; the grammar step (lanes spread after a burst)
+    step grammar_step 70 python3 benchmarks/bench_grammar_step.py --tokenizers deepseek \
+        --cases int-array strings --batches 64 256 --steps 20 --threads 16 --out $out
+    step tune_decode 420 python3 benchmarks/tune_decode_attention.py --out $out
+}
 gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec, structured, threads or final}"
+"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune or final}"
 tail -n 200 $out/summary.log

@@ -33,6 +33,7 @@ Set `TRITON_INTERPRET=1` before triton is first imported to run the kernels on C
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +45,8 @@ except ImportError:  # CPU-only installs never call the kernels
     tl = None
 
 __all__ = [
+    "KernelConfig",
+    "decode_config",
     "paged_attention_reference",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -54,6 +57,21 @@ _LOG2E = 1.4426950408889634
 _PREFILL_ROWS = 64  # query rows (tokens x group heads) per prefill program
 _BLOCK_N = 64  # keys per loop step
 _MAX_SPLITS = 32
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Keys per loop step and Triton's launch settings of one `_attention_kernel` launch."""
+
+    block_n: int = _BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def decode_config(batch: int, max_keys: int) -> KernelConfig:
+    """The decode launch for `batch` rows whose tables cover `max_keys` keys (a function of
+    shapes only, so a CUDA graph captures the same launch it replays)."""
+    return KernelConfig()
 
 
 def paged_attention_reference(
@@ -257,6 +275,7 @@ def _launch(
     grid: tuple[int, int, int],
     block_q: int,
     splits: int,
+    config: KernelConfig,
 ) -> torch.Tensor:
     """Check inputs, run `_attention_kernel` (and the split merge) and return [T, Hq, D]."""
     t, hq, d = q.shape
@@ -277,8 +296,9 @@ def _launch(
         block_tables, context_lens, context_lens if cu_seqlens_q is None else cu_seqlens_q,
         scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0), k_cache.size(1),
-        group, g_pad, block_q, _BLOCK_N, d, d_pad, splits, cu_seqlens_q is not None,
+        group, g_pad, block_q, config.block_n, d, d_pad, splits, cu_seqlens_q is not None,
         "ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(t, hq)](
@@ -295,22 +315,25 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """One query row per sequence. q: [B, Hq, D]; block_tables: [B, max_blocks];
     context_lens: [B] (0 for padding rows, which get zeros) -> [B, Hq, D].
 
-    `num_splits` (a power of two) overrides the split count chosen from the shapes."""
+    `num_splits` (a power of two) and `config` override what is chosen from the shapes
+    (benchmarks/tune_decode_attention.py compares configs)."""
     batch, hk = q.size(0), k_cache.size(2)
     if block_tables.size(0) != batch or context_lens.size(0) != batch:
         raise ValueError("q, block_tables and context_lens must have one row per sequence")
+    max_keys = block_tables.size(1) * k_cache.size(1)
     if num_splits is None:
-        max_keys = block_tables.size(1) * k_cache.size(1)
         num_splits = _default_splits(batch, hk, max_keys, q.device)
     if num_splits & (num_splits - 1):
         raise ValueError("num_splits must be a power of two")
     grid = (batch, 1, hk * num_splits)
+    config = config or decode_config(batch, max_keys)
     return _launch(
-        q, k_cache, v_cache, block_tables, context_lens, None, scale, grid, 1, num_splits
+        q, k_cache, v_cache, block_tables, context_lens, None, scale, grid, 1, num_splits, config
     )
 
 
@@ -331,5 +354,6 @@ def paged_prefill_attention(
     block_q = max(1, _PREFILL_ROWS // _pow2(group))
     grid = (block_tables.size(0), triton.cdiv(max_query_len, block_q), k_cache.size(2))
     return _launch(
-        q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale, grid, block_q, 1
-    )
+        q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale, grid, block_q, 1,
+        KernelConfig(),
+    )  # fmt: skip

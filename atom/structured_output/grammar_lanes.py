@@ -10,6 +10,11 @@ templates gets another one, compiled in the background, up to the executor's thr
 each request is copied from the template ("lane") that serves the fewest live requests; the
 manager hands llguidance's executor the rows ordered by lane, so one thread mostly meets one lane.
 
+Requests that arrive together are bound before the extra lanes exist, all to the first one: a
+burst of 64 requests of a new schema put 57 on lane 0. So when a lane is added, the manager moves
+requests from crowded lanes to it (``move``: a copy of the new template that replays the
+request's committed tokens; ``GrammarState.move_to``), at the start of its next step.
+
 A compile holds the GIL for its whole duration (llguidance 1.9.1), stalling every other thread
 of the process, the engine's and the server's included: grammars whose first compile took longer
 than ``LANE_COMPILE_LIMIT_S`` get no extra lane. Typical schemas compile in 0.2-2 ms with the
@@ -83,3 +88,21 @@ class CompiledGrammar:
         with self._lock:
             self._lanes.append(template)
             self._live.append(0)
+
+    def move(self, lane: int) -> tuple[int, LLMatcher] | None:
+        """A request on ``lane`` should move when that lane serves at least two more live
+        requests than the least used one: that lane and its template (counted as moved; call
+        ``move_back`` if the request cannot go), else None."""
+        with self._lock:
+            least = min(range(len(self._lanes)), key=self._live.__getitem__)
+            if self._live[lane] - self._live[least] < 2:
+                return None
+            self._live[lane] -= 1
+            self._live[least] += 1
+            return least, self._lanes[least]
+
+    def move_back(self, moved_to: int, lane: int) -> None:
+        """Undo ``move(lane)`` that answered ``moved_to``."""
+        with self._lock:
+            self._live[moved_to] -= 1
+            self._live[lane] += 1

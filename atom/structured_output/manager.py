@@ -106,18 +106,15 @@ class GrammarState:
         free_keys: bool = True,
     ) -> None:
         self.request_id = request_id
-        self.matcher = matcher
         self.error: str | None = None
         self.lane = 0  # the grammar lane its matcher was copied from (``grammar_lanes``)
+        self._use(matcher)
+        # The tokens the matcher consumed for committed ones, in order: ``move_to`` replays them.
+        self._matcher_tokens: list[int] = []
         self._backend = backend
         # Rows are written through ``uint32`` views: no torch indexing per row.
         self._stop_words = masks["stop"].numpy().view(np.uint32)
         self._free_words = masks["free"].numpy().view(np.uint32)
-        # Bound methods of the per-token paths, looked up once (see ``wants_mask``, ``commit``).
-        self._compute_mask_ptr = matcher.unsafe_compute_mask_ptr
-        self._is_stopped = matcher.is_stopped
-        self._is_error = matcher.is_error
-        self._consume_token = matcher.consume_token
         self._token_bytes = backend.token_bytes
         self._marker = end_marker or b""
         self.active = not self._marker
@@ -133,6 +130,31 @@ class GrammarState:
         # Per committed token: (matcher tokens consumed, active, tail, answer length) before it.
         self._history: list[tuple[int, bool, bytes, int]] = []
 
+    def _use(self, matcher: LLMatcher) -> None:
+        self.matcher = matcher
+        # Bound methods of the per-token paths, looked up once (see ``wants_mask``, ``commit``).
+        self._compute_mask_ptr = matcher.unsafe_compute_mask_ptr
+        self._is_stopped = matcher.is_stopped
+        self._is_error = matcher.is_error
+        self._consume_token = matcher.consume_token
+
+    @property
+    def movable(self) -> bool:
+        """Whether ``move_to`` may take this state: not failed, and its grammar not finished
+        (llguidance 1.9.1 replays no EOS after a stop)."""
+        return self.error is None and not self._is_stopped()
+
+    def move_to(self, template: LLMatcher, lane: int) -> bool:
+        """Go on with a copy of ``template`` (another lane of this state's grammar) that has
+        consumed what this state's matcher consumed; False, and nothing changed, if the copy
+        refuses it. Only for a ``movable`` state between steps (no draft consumed)."""
+        matcher = template.deep_copy()
+        if self._matcher_tokens and not matcher.consume_tokens(self._matcher_tokens):
+            return False
+        self._use(matcher)
+        self.lane = lane
+        return True
+
     @property
     def finished(self) -> bool:
         """The grammar accepted EOS (or can take nothing but EOS)."""
@@ -144,7 +166,10 @@ class GrammarState:
         if speculative:  # never drive the committed matcher into its sticky error state
             return self.matcher.try_consume_tokens(list(tokens)) == len(tokens)
         # One at a time: llguidance 1.9.1 accepts EOS after a stop only through consume_token.
-        return all(self._consume_token(t) for t in tokens)
+        ok = all(self._consume_token(t) for t in tokens)
+        if ok:
+            self._matcher_tokens += tokens
+        return ok
 
     def _feed(self, data: bytes) -> None:
         if self._tracks_keys:
@@ -158,6 +183,8 @@ class GrammarState:
                 ok = self.matcher.try_consume_tokens([token]) == 1
             else:
                 ok = self._consume_token(token)
+                if ok:
+                    self._matcher_tokens.append(token)
             if ok:
                 self._feed(self._token_bytes(token))
             return ok, int(ok)
@@ -208,6 +235,7 @@ class GrammarState:
             self.error = REJECTED
             return
         self._history.append((1, self.active, self._tail, len(self._answer)))
+        self._matcher_tokens.append(token)
         if self._tracks_keys:
             data = self._token_bytes(token)
             self.keys.feed(data)
@@ -224,6 +252,7 @@ class GrammarState:
         consumed = sum(n for n, _, _, _ in undo)
         if consumed and not self.matcher.rollback(consumed):
             self.error = "structured output: grammar rollback failed"
+        del self._matcher_tokens[len(self._matcher_tokens) - consumed :]
         if undo:
             _, self.active, self._tail, answer_length = undo[0]
             del self._answer[answer_length:]
@@ -355,6 +384,7 @@ class StructuredOutputManager:
         self._executor = ThreadPoolExecutor(compile_threads, thread_name_prefix="atom-grammar")
         self._lane_executor = ThreadPoolExecutor(1, thread_name_prefix="atom-grammar-lanes")
         self._mask_executor = LLExecutor(self.threads) if self.threads > 1 else None
+        self._lane_added = False  # since the last ``_spread_lanes``
 
     # ---- admission ---------------------------------------------------------------------------
 
@@ -479,11 +509,25 @@ class StructuredOutputManager:
         then another while the grammar's live requests still outnumber its lanes."""
         try:
             grammar.add_lane(grammar.compile())
+            self._lane_added = True
         except Exception:  # noqa: BLE001 - it compiled once; without a lane it only runs slower
             grammar.stop_growing()
         finally:
             grammar.growing = False
         self._grow(grammar)
+
+    def _spread_lanes(self) -> None:
+        """Move live requests from crowded lanes to lanes added since the last call (requests
+        bound together all went to the lanes that existed then: ``grammar_lanes``)."""
+        self._lane_added = False
+        for request_id, grammar in list(self._grammars.items()):
+            state = self._states.get(request_id)
+            if state is None or not state.movable:
+                continue
+            lane = state.lane
+            moved = grammar.move(lane)
+            if moved is not None and not state.move_to(moved[1], moved[0]):
+                grammar.move_back(moved[0], lane)
 
     def state(self, request_id: str) -> GrammarState | None:
         return self._states.get(request_id)
@@ -548,7 +592,10 @@ class StructuredOutputManager:
         on its executor's threads (``threads``), writing straight into the rows; then each is
         checked (``GrammarState.check_row``: one matcher call, plus the repeated-key filter
         only where a key could be repeated); draft rows follow, one request's after another.
+        First, requests move to lanes added since the last step (``_spread_lanes``).
         """
+        if self._lane_added:
+            self._spread_lanes()
         geometry = self._mask_geometry
         if geometry is None or geometry[0] is not bitmask:
             geometry = self._mask_geometry = self._validate_mask(bitmask)

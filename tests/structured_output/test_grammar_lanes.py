@@ -89,24 +89,41 @@ def test_one_thread_or_a_slow_grammar_gets_no_lane(hf):
     assert not fast.wants_lane(8)
 
 
-def test_rows_are_the_same_on_every_lane(hf):
-    """Requests on different lanes, fed the same tokens, get bit-identical rows."""
+def _step(mgr: StructuredOutputManager, rids: list[str], rows: torch.Tensor, text: str, hf):
+    """Fill the rows of ``rids`` (all fed the same tokens: the rows must be the same), then
+    commit ``text``'s tokens for each."""
+    mgr.fill_masks(rows, [(r, ()) for r in rids])
+    assert all(torch.equal(rows[0], row) for row in rows[1 : len(rids)])
+    mgr.commit_many((r, hf.encode(text, add_special_tokens=False)) for r in rids)
+    assert all(mgr.error(r) is None for r in rids)
+
+
+def test_a_burst_moves_to_the_lanes_added_after_it(hf):
+    """Requests bound before the lanes exist (a burst) move to them at a later step, replaying
+    what they consumed; their rows stay bit-identical to those of requests never moved, through
+    a rollback too; releasing them frees the lanes they moved to."""
     mgr = _manager(hf, threads=4)
     try:
-        rids = [f"r{i}" for i in range(8)]
-        for rid in rids:  # a burst: lanes grow up to the 4 threads, with no other bind
-            _bind(mgr, rid)
-        _wait_lanes(mgr, 4)
-        for rid in rids[::2]:  # rebound: now spread over the lanes
-            mgr.release(rid)
-            _bind(mgr, rid)
-        assert len({mgr.state(r).lane for r in rids}) >= 2
+        rids = [f"r{i}" for i in range(9)]
         rows = torch.zeros(len(rids), num_mask_words(len(hf)), dtype=torch.int32)
-        for text in ("[", "12", ", ", "7"):
-            mgr.fill_masks(rows, [(r, ()) for r in rids])
-            assert all(torch.equal(rows[0], row) for row in rows[1:])
-            tokens = hf.encode(text, add_special_tokens=False)
-            mgr.commit_many((r, tokens) for r in rids)
-            assert all(mgr.error(r) is None for r in rids)
+        with pytest.MonkeyPatch.context() as later:  # no lane before the burst has begun
+            later.setattr(CompiledGrammar, "wants_lane", lambda grammar, max_lanes: False)
+            assert [_bind(mgr, rid) for rid in rids[:8]] == [0] * 8
+            _step(mgr, rids[:8], rows, "[", hf)
+        assert _bind(mgr, rids[8]) == 0  # now lanes grow, one after another
+        mgr.commit(rids[8], hf.encode("[", add_special_tokens=False))
+        _step(mgr, rids, rows, "12", hf)
+        _wait_lanes(mgr, 4)
+        _step(mgr, rids, rows, ", ", hf)  # the fill moved them first
+        lanes = [mgr.state(r).lane for r in rids]
+        # All nine were bound to lane 0: six moved, replaying "[12"
+        assert sorted(lanes.count(lane) for lane in range(4)) == [2, 2, 2, 3], lanes
+        for rid in rids:  # ", " again, on moved and unmoved matchers alike
+            mgr.rollback(rid, len(hf.encode(", ", add_special_tokens=False)))
+        _step(mgr, rids, rows, ", ", hf)
+        _step(mgr, rids, rows, "7", hf)
+        for rid in rids:
+            mgr.release(rid)
+        assert [_bind(mgr, f"c{i}") for i in range(4)] == [0, 1, 2, 3]  # all free again
     finally:
         mgr.shutdown()
