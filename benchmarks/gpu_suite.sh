@@ -20,6 +20,8 @@
 #                                          with 4, 8 and 16 llguidance threads; ~8 minutes)
 #   bash benchmarks/gpu_suite.sh tune      (decode attention launch configs, then the grammar
 #                                          step on 16 threads; ~8 minutes)
+#   bash benchmarks/gpu_suite.sh closing   (GPU tests, bench_engine, structured overhead of one
+#                                          schema, memcheck; about 9 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -162,9 +164,18 @@ tune() {  # every decode attention KernelConfig; the grammar step (lanes spread 
         --cases int-array strings --batches 64 256 --steps 20 --threads 16 --out $out
     step tune_decode 420 python3 benchmarks/tune_decode_attention.py --out $out
 }
+closing() {  # one call: GPU tests, decode ms/step, structured overhead, memcheck
+    gpu_tests
+    step engine 130 python3 benchmarks/bench_engine.py --device cuda --random-llama-1b \
+        --variants graphs-async --out $out
+    step structured 150 python3 benchmarks/bench_structured_serving.py --random-llama-1b \
+        --device cuda --schema-kinds mostly-forbidden --tag closing --out $out
+    step memcheck 120 compute-sanitizer --tool memcheck --print-limit 20 \
+        python3 benchmarks/sanitize_engine.py
+}
 gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune or final}"
+"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing or final}"
 tail -n 200 $out/summary.log
