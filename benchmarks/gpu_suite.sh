@@ -22,6 +22,8 @@
 #                                          step on 16 threads; ~8 minutes)
 #   bash benchmarks/gpu_suite.sh closing   (GPU tests, bench_engine, structured overhead of one
 #                                          schema, memcheck; about 9 minutes)
+#   BASELINE=.baseline bash benchmarks/gpu_suite.sh ab_structured (structured-output overhead,
+#                                          another checkout against this one; about 4 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -173,9 +175,22 @@ closing() {  # one call: GPU tests, decode ms/step, structured overhead, memchec
     step memcheck 120 compute-sanitizer --tool memcheck --print-limit 20 \
         python3 benchmarks/sanitize_engine.py
 }
+ab_structured() {  # before/after: BASELINE (another checkout's folder, carried) and this
+    # checkout, alternated twice, the structured-output overhead at batch 1, 16 and 64
+    for round in 1 2; do
+        for side in baseline current; do
+            local root=$PWD
+            [[ $side == baseline ]] && root=$PWD/${BASELINE:?a baseline checkout folder}
+            step structured_${side}_$round 90 env PYTHONPATH=/tmp/site:$root python3 \
+                $root/benchmarks/bench_structured_serving.py --random-llama-1b --device cuda \
+                --schema-kinds mostly-forbidden --batch-sizes 1 16 64 --repeats 2 \
+                --tag ${side}_$round --out $out
+        done
+    done
+}
 gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing or final}"
+"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured or final}"
 tail -n 200 $out/summary.log
