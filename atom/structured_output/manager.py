@@ -46,6 +46,9 @@ __all__ = ["AdmissionResult", "GrammarState", "StructuredOutputManager"]
 JSON_WHITESPACE = b" \t\r\n"
 REJECTED = "structured output: the grammar rejected a generated token"
 REPEATED = "structured output: the answer repeats an object key"
+# A request moves to a new grammar lane only while its replay stays short: a move replays the
+# committed tokens on the grammar thread, in the step that moves it.
+MAX_REPLAY_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -140,9 +143,14 @@ class GrammarState:
 
     @property
     def movable(self) -> bool:
-        """Whether ``move_to`` may take this state: not failed, and its grammar not finished
-        (llguidance 1.9.1 replays no EOS after a stop)."""
-        return self.error is None and not self._is_stopped()
+        """Whether ``move_to`` may take this state: not failed, its grammar not finished
+        (llguidance 1.9.1 replays no EOS after a stop), at most ``MAX_REPLAY_TOKENS`` to
+        replay."""
+        return (
+            self.error is None
+            and len(self._matcher_tokens) <= MAX_REPLAY_TOKENS
+            and not self._is_stopped()
+        )
 
     def move_to(self, template: LLMatcher, lane: int) -> bool:
         """Go on with a copy of ``template`` (another lane of this state's grammar) that has

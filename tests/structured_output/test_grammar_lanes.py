@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("llguidance")
 
-from atom.structured_output import grammar_lanes  # noqa: E402
+from atom.structured_output import grammar_lanes, manager  # noqa: E402
 from atom.structured_output.grammar_lanes import CompiledGrammar  # noqa: E402
 from atom.structured_output.manager import StructuredOutputManager  # noqa: E402
 from atom.structured_output.utils import num_mask_words  # noqa: E402
@@ -125,5 +125,26 @@ def test_a_burst_moves_to_the_lanes_added_after_it(hf):
         for rid in rids:
             mgr.release(rid)
         assert [_bind(mgr, f"c{i}") for i in range(4)] == [0, 1, 2, 3]  # all free again
+    finally:
+        mgr.shutdown()
+
+
+def test_a_long_answer_stays_on_its_lane(hf, monkeypatch):
+    """A move replays the committed tokens in one step: past ``MAX_REPLAY_TOKENS`` a request
+    keeps its lane (and its rows stay right)."""
+    monkeypatch.setattr(manager, "MAX_REPLAY_TOKENS", 1)
+    mgr = _manager(hf, threads=2)
+    try:
+        rids = ["r0", "r1", "r2"]
+        rows = torch.zeros(len(rids), num_mask_words(len(hf)), dtype=torch.int32)
+        with pytest.MonkeyPatch.context() as later:
+            later.setattr(CompiledGrammar, "wants_lane", lambda grammar, max_lanes: False)
+            assert [_bind(mgr, rid) for rid in rids[:2]] == [0, 0]
+            _step(mgr, rids[:2], rows, "[12", hf)  # two tokens or more: too long to replay
+        assert _bind(mgr, "r2") == 0  # lanes grow now
+        mgr.commit("r2", hf.encode("[12", add_special_tokens=False))
+        _wait_lanes(mgr, 2)
+        _step(mgr, rids, rows, ", ", hf)
+        assert [mgr.state(r).lane for r in rids] == [0, 0, 0]
     finally:
         mgr.shutdown()
