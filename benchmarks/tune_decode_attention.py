@@ -2,7 +2,7 @@
 pipeline stages) of `paged_decode_attention` at Llama-3.2-1B shapes (32 query heads, 8 KV heads,
 head_dim 64, bf16, block_size 16), for the batch sizes and contexts the engine decodes.
 
-Each cell is device µs per call: a CUDA graph of `LAYERS` calls back to back, each on its own
+Each cell is device µs per call (`bench_paged_attention.graph_us`): a CUDA graph of `LAYERS` calls back to back, each on its own
 cache (so the KV reads come from HBM, not L2), median of replays. Every config's output is
 checked against the default config's (the kernel the tests compare with the reference). The
 best config per case, and the default's time beside it, show what `decode_config` should pick.
@@ -14,9 +14,9 @@ Usage (GPU): python benchmarks/tune_decode_attention.py
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,9 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_paged_attention import LAYERS, graph_us  # noqa: E402
+
 from atom.model_ops.paged_attention import KernelConfig, paged_decode_attention  # noqa: E402
 
-HQ, HK, D, PAGE, LAYERS = 32, 8, 64, 16, 16
+HQ, HK, D, PAGE = 32, 8, 64, 16
 CASES = [(256, 128), (256, 512), (256, "64-512"), (64, 512), (64, 2048), (16, 2048), (1, 2048)]
 CONFIGS = [
     KernelConfig(n, w, s) for n, w, s in itertools.product((32, 64, 128), (1, 2, 4, 8), (1, 2, 3))
@@ -64,27 +66,6 @@ def run(case: dict, config: KernelConfig) -> list[torch.Tensor]:
     ]
 
 
-def graph_us(case: dict, config: KernelConfig, replays: int = 9) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run(case, config)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(case, config)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / LAYERS)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -110,7 +91,7 @@ def main() -> None:
             )
             if err > 2e-2:
                 raise SystemExit(f"{config} differs from the default by {err} at B={batch}")
-            times[repr(config)] = graph_us(case, config)
+            times[repr(config)] = graph_us(functools.partial(run, case, config), replays=9)
         best = min(times, key=times.__getitem__)
         row = {
             "batch": batch,
