@@ -80,8 +80,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--structured-output-grammar-process",
-        action="store_true",
-        help="keep each rank's grammar states in a process of their own (see README)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep each rank's grammar states in a process of their own (default: on CUDA, "
+        "off on CPU; see README)",
     )
     g.add_argument(
         "--speculative-method",

@@ -76,11 +76,12 @@ class EngineConfig:
     # (structured_output/manager.py; measured: benchmarks/bench_grammar_step.py).
     structured_output_threads: int = field(default_factory=default_grammar_threads)
     # Keep each rank's grammar states in a process of their own, whose per-row Python then runs
-    # beside the engine thread's instead of contending for its GIL
-    # (structured_output/grammar_process.py). Off by default: on the H200 it made batch-64
-    # constrained steps 1.24x faster but batch 1, 16 and 256 0.9-0.97x (benchmarks/results/
-    # profile_step_cuda_grammar_process_{on,off}.json): llguidance's own work bounds the step.
-    structured_output_grammar_process: bool = False
+    # beside the engine thread's instead of contending for its GIL, and whose rows a CUDA stream
+    # waits for without the engine thread waiting (structured_output/grammar_process.py,
+    # grammar_board.py). None: on CUDA, off on CPU. Measured on the H200 (mostly-forbidden,
+    # benchmarks/results/h200_2026-12-03j): enabled-request overhead 1.13/1.08/1.22 at batch
+    # 16/64/256 with it, 1.60/1.84/1.83 without.
+    structured_output_grammar_process: bool | None = None
     # Speculative decoding: up to `num_speculative_tokens` drafts per sequence and step, verified
     # by one target forward (model_ops/rejection_sampler.py). N-gram lookup keeps asynchronous
     # scheduling (drafts proposed a step ahead, positions corrected on the device); a draft model
@@ -99,6 +100,13 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         self._check_speculative()
         self._check_parallel()
+
+    def grammar_process(self, device_type: str) -> bool:
+        """Whether ranks on ``device_type`` ("cuda", "cpu") keep their grammar states in a
+        process of their own (``structured_output_grammar_process``; None: on CUDA only)."""
+        if self.structured_output_grammar_process is None:
+            return device_type == "cuda"
+        return self.structured_output_grammar_process
 
     def _check_parallel(self) -> None:
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:

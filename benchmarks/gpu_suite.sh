@@ -24,6 +24,10 @@
 #                                          schema, memcheck; about 9 minutes)
 #   BASELINE=.baseline bash benchmarks/gpu_suite.sh ab_structured (structured-output overhead,
 #                                          another checkout against this one; about 4 minutes)
+#   [ROUND=2] bash benchmarks/gpu_suite.sh gates (gates' GPU tests, structured-output overhead
+#                                          with and without a grammar process; ~8 minutes)
+#   bash benchmarks/gpu_suite.sh gates_closing (GPU tests, memcheck, structured-output overhead
+#                                          with the defaults; about 9 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -188,9 +192,30 @@ ab_structured() {  # before/after: BASELINE (another checkout's folder, carried)
         done
     done
 }
+gates() {  # gates (grammar_board): their GPU tests, then the structured-output overhead with
+    # grammar states in the engine's process and in a grammar process, alternated (ROUND: 1
+    # starts with the engine's, 2 with the grammar process)
+    step pytest_gates 150 python3 -m pytest -q -m gpu --durations=5 \
+        tests/structured_output/test_grammar_process.py tests/model_engine/test_cuda_graph.py
+    local order="off on"
+    [[ ${ROUND:-1} == 2 ]] && order="on off"
+    for process in $order; do
+        step structured_process_$process 170 python3 benchmarks/bench_structured_serving.py \
+            --random-llama-1b --device cuda --schema-kinds mostly-forbidden \
+            --grammar-process $process --tag gates_${process}_${ROUND:-1} --out $out
+    done
+}
+gates_closing() {  # one call: GPU tests, memcheck (its runs use gates: the CUDA default), the
+    # structured-output overhead with the defaults
+    gpu_tests
+    step memcheck 120 compute-sanitizer --tool memcheck --print-limit 20 \
+        python3 benchmarks/sanitize_engine.py
+    step structured 150 python3 benchmarks/bench_structured_serving.py --random-llama-1b \
+        --device cuda --schema-kinds mostly-forbidden --tag gates_default --out $out
+}
 gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured or final}"
+"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing or final}"
 tail -n 200 $out/summary.log

@@ -10,6 +10,7 @@ uses them, so their memory is never reused under the copy. On CPU there is nothi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -57,6 +58,11 @@ class DeferredOutput:
             tensors += [logprobs.sampled, logprobs.top_ids, logprobs.top]
         self._host, self._ready = _copy_to_host(tensors, copy_stream)
         self._ids: list[int] | None = None
+        # A constrained step of a grammar process (``grammar_board``): its gate, and a call
+        # returning its structured-output errors, made before the host copy is waited for
+        # (that copy waits for the gate's rows; the call releases them if the child failed).
+        self.gate: int | None = None
+        self.pending_errors: Callable[[], dict[int, str]] | None = None
 
     @classmethod
     def empty(cls) -> DeferredOutput:
@@ -64,6 +70,9 @@ class DeferredOutput:
 
     def host_token_ids(self) -> list[int]:
         """The sampled ids on the host (waits for this step's copy the first time)."""
+        if self.pending_errors is not None:
+            self.errors = {**self.errors, **self.pending_errors()}
+            self.pending_errors = None
         if self._ids is None:
             if self._ready is not None:
                 self._ready.synchronize()

@@ -12,6 +12,11 @@ previous output, run while the grammar works) or when its own output is taken. S
 sampling and the next forward's launch follow the grammar work on the host: the device runs
 that forward right after this step's sampling.
 
+With a grammar process (``EngineConfig.grammar_process``, CUDA by default) and no speculative
+decoding, a constrained step's masking and sampling are queued at once instead, behind a stream
+wait for the grammar process's rows (``_sample_gated``, ``structured_output.grammar_board``):
+the engine thread never waits for grammar work, and reads the step's errors with its output.
+
 On CUDA the forward of a decode step replays a CUDA graph (`cuda_graph.DecodeGraphs`, captured
 at start-up unless `enforce_eager`); every other step, and every step on CPU, runs eagerly. The
 host builds a step's inputs with one tensor per field (`step_inputs`) and reads the sampled ids
@@ -29,6 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate, compress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -52,7 +58,7 @@ from atom.spec_decode.speculator import Speculator
 
 if TYPE_CHECKING:
     from atom.structured_output.manager import AdmissionResult
-    from atom.structured_output.worker import StructuredOutputWorker
+    from atom.structured_output.worker import GateCommit, StructuredOutputWorker
 
 CPU_KV_CACHE_BYTES = 512 * 1024**2
 
@@ -273,6 +279,8 @@ class ModelRunner:
             step.drafts = list(compress(batch.draft_token_ids, batch.sampling))
         if not batch.has_constrained:
             return self._sample(step, {})
+        if logits is not None and self.structured_output.gates:
+            return self._sample_gated(batch, step)
         step.masking = self.structured_output.start_step(
             self._grammar_updates(batch), sample_seqs, logits, step.drafts
         )
@@ -302,6 +310,38 @@ class ModelRunner:
         for seq_id in seq_ids:
             self._sampled_in[seq_id] = out
         return out
+
+    def _sample_gated(self, batch: ScheduledBatch, step: _Unsampled) -> DeferredOutput:
+        """A constrained step with a grammar process: its masking and sampling are queued now,
+        behind a wait for the child's rows (``grammar_board``); its sampled ids go to the board
+        for the next step's commits, and its errors are read with its output."""
+        worker = self.structured_output
+        gate = worker.gate_step(self._gate_commits(batch), step.seqs, step.logits)
+        out = self._sample(step, {})
+        assert isinstance(out, DeferredOutput)
+        worker.publish(gate, out.token_ids)
+        constrained = [s.seq_id for s in step.seqs if s.params.structured_output is not None]
+        out.gate = gate
+        out.pending_errors = partial(worker.gate_errors, gate, constrained)
+        return out
+
+    def _gate_commits(self, batch: ScheduledBatch) -> list[GateCommit]:
+        """The batch's grammar updates for a gate: a placeholder's source is the ring row of the
+        gate that sampled it (a step sampled without a gate is read here, waiting for it)."""
+        seq_ids = {s.request_id: s.seq_id for s in batch.seqs}
+        commits: list[GateCommit] = []
+        for u in batch.grammar_updates:
+            tokens, source = list(u.new_token_ids), None
+            if PLACEHOLDER in tokens:
+                seq_id = seq_ids[u.request_id]
+                out = self._sampled_in[seq_id]
+                if isinstance(out, DeferredOutput) and out.gate is not None:
+                    source = (out.gate, out.rows[seq_id])
+                else:
+                    sampled = out.tokens_of(seq_id)
+                    tokens = [x for t in tokens for x in (sampled if t == PLACEHOLDER else (t,))]
+            commits.append((u.request_id, tokens, source))
+        return commits
 
     def _grammar_updates(self, batch: ScheduledBatch) -> Callable[[], list[GrammarUpdate]]:
         """The batch's grammar updates as a function for the grammar thread: there each

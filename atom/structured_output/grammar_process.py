@@ -3,36 +3,41 @@
 Each step's grammar work (commit the sampled tokens, fill the mask rows) is llguidance calls,
 which release the GIL, between per-row Python. In the engine's process that Python contends for
 one GIL with the engine thread's (output processing, building the next inputs), and both slow
-down: on the H200's host at batch 256 the grammar thread took 6.9 ms a step for about 2 ms of
-work (benchmarks/results/h200_2026-12-02b/profile_step.log). Here the states live in a spawned
-child with its own interpreter: the rank sends it each step's sampled tokens and rows over a pipe,
-the child writes the rows straight into a shared-memory buffer the rank maps too (page-locked on
-CUDA, so the H2D copy stays asynchronous), and answers with the rows' errors.
+down (benchmarks/results/h200_2026-12-03d: at batch 16 the engine thread's input building took
+0.53 ms beside the grammar thread, 0.23 ms without it). Here the states live in a spawned child
+with its own interpreter, sharing a board of counters, sampled ids and mask rows with the rank
+(``grammar_board``).
 
-Measured on the H200 (benchmarks/profile_step.py --grammar-process on|off, mostly-forbidden
-schema, one run): the child's commit and fill of 256 rows took 5.8 ms a step against 5.0 ms in the
-engine's process, so the GIL was not what bounds them; steps were 1.24x faster at batch 64 and
-0.90-0.97x at batch 1, 16 and 256. So it is an option (``EngineConfig``), off by default.
+Without speculative decoding a constrained step is a gate: the rank sends the child the step's
+commits and rows (``send_gate``) and queues on its stream a wait for the child's rows, their
+copy, the mask and the sampling, without waiting for anything; the stream publishes the sampled
+ids on the board, where the child reads them for the next gate. The rank reads a gate's errors
+(``gate_answer``) when it reads that step's output. With speculative decoding a step still waits
+for the child's answer (``step``) before it samples.
 
-The child never touches CUDA. It answers one call at a time, in order; a call that finds the child
-gone or silent for ``timeout_s`` raises ``GrammarProcessError`` (the worker fails its
-constrained requests and refuses new ones).
+The child never touches CUDA. It runs one message at a time, in order, and answers calls and
+gates (``cast`` gets no answer). A call that finds the child gone or silent for ``timeout_s``
+raises ``GrammarProcessError`` (the worker fails its constrained requests and refuses new ones),
+and the board's ``DONE`` counter is released so that no stream waits for the child any more.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
-import tempfile
 import threading
+from collections import deque
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from multiprocessing.util import Finalize
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+
+from atom.model_engine.sequence import PLACEHOLDER
+from atom.structured_output.grammar_board import COPIED, DONE, RELEASED, TOKENS, GrammarBoard
 
 __all__ = ["GrammarProcess", "GrammarProcessError"]
 
@@ -65,7 +70,10 @@ class GrammarProcess:
         self._finalizer = Finalize(self, _stop, (self._conn, self._process), exitpriority=10)
         self._timeout_s = timeout_s
         self._lock = threading.Lock()  # one call at a time: steps, admissions and releases
-        self._pinned: int | None = None  # the mapped rows' address while page-locked
+        self._pinned: int | None = None  # the board's address while page-locked
+        self.board: GrammarBoard | None = None  # set by ``map_board``
+        self._gates: deque[int] = deque()  # gates sent, answers not read yet (in order)
+        self._gate_answers: dict[int, dict[int, str] | GrammarProcessError] = {}
         self.dead_reason: str | None = None  # set when the child exited or stopped answering
         self._answer("start")  # the child's first message: its manager is built
 
@@ -73,20 +81,68 @@ class GrammarProcess:
     def pid(self) -> int | None:
         return self._process.pid
 
+    def alive(self) -> bool:
+        return self.dead_reason is None and self._process.is_alive()
+
     def call(self, method: str, *args: Any) -> Any:
-        """``method`` of the child's ``_Grammars`` with ``args``; its result."""
+        """``method`` of the child's ``_Grammars`` with ``args``; its result (the answers of
+        gates sent before it are kept for ``gate_answer``)."""
         with self._lock:
-            if self.dead_reason is not None:
-                raise GrammarProcessError(self.dead_reason)
-            try:
-                self._conn.send((method, args))
-            except (OSError, EOFError) as e:
-                raise self._dead("structured output: the grammar process exited") from e
+            self._send(method, args, True)
+            self._collect_gates()
             return self._answer(method)
 
+    def cast(self, method: str, *args: Any) -> None:
+        """``method`` with ``args`` without waiting: the child runs it in order, answers nothing."""
+        with self._lock:
+            self._send(method, args, False)
+
+    def send_gate(self, gate: int, commits: list, jobs: list) -> None:
+        """Queue a gate's grammar work (``_Grammars.gate``) without waiting for it; its answer
+        is read by ``gate_answer``."""
+        with self._lock:
+            self._send("gate", (gate, commits, jobs, self._timeout_s), True)
+            self._gates.append(gate)
+
+    def gate_answer(self, gate: int) -> dict[int, str]:
+        """The errors by sequence id of a gate sent earlier (waits for the child's answer)."""
+        with self._lock:
+            while gate not in self._gate_answers:
+                if not self._gates or self._gates[0] > gate:
+                    raise GrammarProcessError(f"structured output: gate {gate} was never sent")
+                self._collect_one_gate()
+            answer = self._gate_answers.pop(gate)
+        if isinstance(answer, GrammarProcessError):
+            raise answer
+        return answer
+
+    def _send(self, method: str, args: tuple, answer: bool) -> None:
+        if self.dead_reason is not None:
+            raise GrammarProcessError(self.dead_reason)
+        try:
+            self._conn.send((method, args, answer))
+        except (OSError, EOFError) as e:
+            raise self._dead("structured output: the grammar process exited") from e
+
+    def _collect_gates(self) -> None:
+        while self._gates:
+            self._collect_one_gate()
+
+    def _collect_one_gate(self) -> None:
+        gate = self._gates[0]
+        try:
+            self._gate_answers[gate] = self._answer("gate")
+        except GrammarProcessError as e:  # a failed gate fails its requests, not the call
+            if self.dead_reason is not None:
+                raise
+            self._gate_answers[gate] = e
+        self._gates.popleft()
+
     def _dead(self, reason: str) -> GrammarProcessError:
-        """The child is gone: every later call fails at once."""
+        """The child is gone: every later call fails at once, and no stream waits for it."""
         self.dead_reason = self.dead_reason or reason
+        if self.board is not None:
+            self.board.set(DONE, RELEASED)
         return GrammarProcessError(self.dead_reason)
 
     def _answer(self, method: str) -> Any:
@@ -106,34 +162,32 @@ class GrammarProcess:
             raise GrammarProcessError(value)
         return value
 
-    def map_rows(self, num_rows: int, num_words: int, device: torch.device) -> torch.Tensor:
-        """A ``[num_rows, num_words]`` int32 buffer mapped by this process and the child (which
-        fills its rows in ``step``); page-locked when ``device`` is CUDA."""
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        fd, path = tempfile.mkstemp(prefix="atom-grammar-rows-", dir=folder)
+    def map_board(self, max_rows: int, num_words: int, device: torch.device) -> GrammarBoard:
+        """The memory this process and the child share (``grammar_board``), for steps of at
+        most ``max_rows`` mask rows; page-locked when ``device`` is CUDA."""
+        board = GrammarBoard.create(max_rows, num_words)
         try:
-            os.ftruncate(fd, num_rows * num_words * 4)
-            os.close(fd)
-            rows = torch.from_file(path, shared=True, size=num_rows * num_words, dtype=torch.int32)
-            self.call("map_rows", path, num_rows, num_words)
+            self.call("map_board", board.path, max_rows, num_words)
         finally:
-            os.unlink(path)  # both mappings stay; the memory goes with the last of them
-        rows = rows.view(num_rows, num_words)
+            board.unlink()  # both mappings stay; the memory goes with the last of them
         if device.type == "cuda":
-            self._pin(rows)
-        return rows
+            self._pin(board.raw)
+        self.board = board
+        return board
 
-    def _pin(self, rows: torch.Tensor) -> None:
-        """Page-lock the mapping: a copy from pageable memory would wait for the stream."""
-        nbytes = rows.numel() * 4
-        code = torch.cuda.cudart().cudaHostRegister(rows.data_ptr(), nbytes, 0)
+    def _pin(self, raw: torch.Tensor) -> None:
+        """Page-lock the mapping: a copy from pageable memory would wait for the stream, and a
+        stream can wait on and write only page-locked counters."""
+        code = torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), 0)
         if int(code) != 0:
-            logger.warning("structured output: mask rows not page-locked (cudaError %s)", code)
-            return
-        self._pinned = rows.data_ptr()
+            raise RuntimeError(f"cudaHostRegister of the grammar board failed: cudaError {code}")
+        self._pinned = raw.data_ptr()
 
     def shutdown(self) -> None:
+        if self.board is not None:
+            self.board.set(DONE, RELEASED)  # nothing queued may wait for the child any more
         if self._pinned is not None:
+            torch.cuda.synchronize()
             torch.cuda.cudart().cudaHostUnregister(self._pinned)
             self._pinned = None
         with self._lock:
@@ -150,15 +204,15 @@ def _stop(conn: Connection, process: BaseProcess) -> None:
 
 
 class _Grammars:
-    """The child's side: a ``StructuredOutputManager`` and the shared rows it fills."""
+    """The child's side: a ``StructuredOutputManager`` and the board whose rows it fills."""
 
     def __init__(self, tokenizer: str, manager_options: dict) -> None:
         from atom.model_engine.tokenizer import load_tokenizer
         from atom.structured_output.manager import StructuredOutputManager
 
         self.manager = StructuredOutputManager(load_tokenizer(tokenizer), **manager_options)
-        self._rows: torch.Tensor | None = None
-        self._views: dict[int, torch.Tensor] = {}  # one view per row count: fill_masks keeps it
+        self.board: GrammarBoard | None = None
+        self._views: dict[tuple[int, int], torch.Tensor] = {}  # fill_masks keeps a view it knows
 
     def admit(self, spec: Any, api_fingerprint: str, vocab_size: int, wait_s: float) -> Any:
         return self.manager.admit(spec, api_fingerprint, vocab_size, wait_s)
@@ -173,25 +227,68 @@ class _Grammars:
     def counts(self) -> tuple[int, int]:
         return self.manager.num_live_states, self.manager.num_cached_grammars
 
-    def map_rows(self, path: str, num_rows: int, num_words: int) -> None:
-        rows = torch.from_file(path, shared=True, size=num_rows * num_words, dtype=torch.int32)
-        self._rows, self._views = rows.view(num_rows, num_words), {}
+    def map_board(self, path: str, max_rows: int, num_words: int) -> None:
+        self.board, self._views = GrammarBoard(path, max_rows, num_words), {}
 
-    def host_rows(self, n: int) -> torch.Tensor:
-        assert self._rows is not None, "map_rows first"
-        if n > self._rows.shape[0]:
-            raise IndexError(f"{n} mask rows exceed the {self._rows.shape[0]} mapped")
-        view = self._views.get(n)
+    def _rows(self, area: int, n: int) -> torch.Tensor:
+        assert self.board is not None, "map_board first"
+        if n > self.board.max_rows:
+            raise IndexError(f"{n} mask rows exceed the {self.board.max_rows} mapped")
+        view = self._views.get((area, n))
         if view is None:
-            view = self._views[n] = self._rows[:n]
+            view = self._views[area, n] = self.board.rows(area)[:n]
         return view
 
     def step(self, updates: list[tuple[str, list[int]]], jobs: list) -> Any:
+        """A step the rank waits for (speculative decoding): rows of area 0."""
         from atom.structured_output.grammar_rows import fill_rows
 
         if updates:
             self.manager.commit_many(updates)
-        return fill_rows(self.manager, self.host_rows, jobs)
+        return fill_rows(self.manager, lambda n: self._rows(0, n), jobs)
+
+    def gate(self, gate: int, commits: list, jobs: list, timeout_s: float) -> dict[int, str]:
+        """A gate's work (``grammar_board``): commit the acknowledged tokens, placeholders read
+        from the ring once the stream published them; then write one row per job into the
+        gate's area, once the stream copied what that area held before, with its logits row
+        (an allow-all row for a request that gets no mask: it fails, its token is dropped).
+        ``DONE`` is raised even when this fails, so the stream never waits for it."""
+        from atom.structured_output.grammar_rows import fill_rows
+
+        board = self.board
+        assert board is not None, "map_board first"
+        try:
+            self.manager.commit_many(self._resolve(board, commits, timeout_s))
+            board.wait(COPIED, gate - 2, timeout_s)
+            filled = fill_rows(self.manager, lambda n: self._rows(gate, n), jobs)
+            masked = set(filled.logits_rows)
+            unmasked = [job[3] for job in jobs if job[3] not in masked]
+            rows, index, n = board.rows(gate), board.row_index(gate), filled.num_rows
+            rows[n : n + len(unmasked)] = -1
+            index.numpy()[: n + len(unmasked)] = filled.logits_rows + unmasked
+            return filled.errors
+        finally:
+            board.set(DONE, gate)
+
+    @staticmethod
+    def _resolve(board: GrammarBoard, commits: list, timeout_s: float) -> list:
+        """``(request_id, tokens, source)`` with ``source`` a ``(gate, row)`` of the ring for
+        the placeholder in ``tokens``, as ``(request_id, tokens)``."""
+        sources = [source for _, _, source in commits if source is not None]
+        if sources:
+            board.wait(TOKENS, max(g for g, _ in sources), timeout_s)
+        slots: dict[int, np.ndarray] = {}  # numpy views: a tensor read per element is slow
+        updates = []
+        for request_id, tokens, source in commits:
+            if source is not None:
+                gate, row = source
+                slot = slots.get(gate)
+                if slot is None:
+                    slot = slots[gate] = board.tokens(gate).numpy()
+                sampled = int(slot[row])
+                tokens = [sampled if t == PLACEHOLDER else t for t in tokens]
+            updates.append((request_id, tokens))
+        return updates
 
 
 def _serve(conn: Connection, tokenizer: str, manager_options: dict) -> None:
@@ -205,11 +302,13 @@ def _serve(conn: Connection, tokenizer: str, manager_options: dict) -> None:
     conn.send((True, None))
     while True:
         try:
-            method, args = conn.recv()
+            method, args, answer = conn.recv()
         except (EOFError, OSError):
             break
         try:
-            conn.send((True, getattr(grammars, method)(*args)))
+            result = (True, getattr(grammars, method)(*args))
         except Exception as e:  # noqa: BLE001 - one failed call; the rank decides what fails
-            conn.send((False, f"structured output: {method} failed: {e!r}"))
+            result = (False, f"structured output: {method} failed: {e!r}")
+        if answer:
+            conn.send(result)
     grammars.manager.shutdown()

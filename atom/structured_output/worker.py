@@ -18,8 +18,11 @@ request's life on a rank:
   engine thread waits for it (``finish_step``) before it queues the sampling.
 - ``release`` on any terminal path, idempotently.
 
-With ``EngineConfig.structured_output_grammar_process`` the states live in a process of their own (``grammar_process``): the same
-steps run there, on their own interpreter, and write the rows into memory both processes map.
+With a grammar process (``EngineConfig.grammar_process``: on CUDA by default) the states live in
+a process of their own (``grammar_process``): the same steps run there, on their own
+interpreter, and write the rows into memory both processes map. Without speculative decoding its
+steps are gates (``gate_step``, ``grammar_board``): the stream, not this thread, waits for the
+rows, so the engine thread only sends a step and reads its errors with its output.
 """
 
 from __future__ import annotations
@@ -39,16 +42,22 @@ from atom import envs
 from atom.config import EngineConfig
 from atom.model_engine.tokenizer import eos_token_ids, load_tokenizer
 from atom.model_ops.embed_head import ParallelLMHead
-from atom.structured_output.grammar_process import GrammarProcess
+from atom.structured_output.grammar_board import COPIED, DONE, TOKENS, GrammarBoardTimeout
+from atom.structured_output.grammar_process import GrammarProcess, GrammarProcessError
 from atom.structured_output.grammar_rows import GrammarRows, RowJob, fill_rows
 from atom.structured_output.manager import AdmissionResult, StructuredOutputManager
+from atom.structured_output.stream_flags import stream_wait, stream_write
 from atom.structured_output.utils import MaskBuffers, num_mask_words
 
 if TYPE_CHECKING:
     from atom.model_engine.scheduler import GrammarUpdate
     from atom.model_engine.sequence import Sequence
 
-__all__ = ["StructuredOutputWorker"]
+__all__ = ["GateCommit", "StructuredOutputWorker"]
+
+# A request's acknowledged tokens for a gate: (request id, tokens, source), where a placeholder
+# in tokens is the sampled id at ``source`` = (gate, row) of the board's ring.
+GateCommit = tuple[str, list[int], tuple[int, int] | None]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +98,10 @@ class StructuredOutputWorker:
         self._init_thread: threading.Thread | None = None
         self._init_error: str | None = None
         self._mask_buffers: MaskBuffers | None = None  # allocated by the first mask
+        self._gate = 0  # the last gate sent to the grammar process
+        self._gate_rows: torch.Tensor | None = None  # CUDA: a gate's rows copied to the device
+        self._gate_index: torch.Tensor | None = None  # and their logits rows
+        self._stream_flags: bool | None = None  # whether the stream waits work (``gates``)
         # Steps run one at a time on this thread; the lock keeps RPCs from touching grammar
         # states while one runs (the engine never overlaps them, this makes sure of it).
         self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="atom-grammar-step")
@@ -136,7 +149,7 @@ class StructuredOutputWorker:
     def release(self, request_ids: list[str]) -> None:
         """Drop these requests' grammar state; idempotent (every terminal path may call it)."""
         if self.process is not None and self.process.dead_reason is None:
-            self.process.call("release", request_ids)
+            self.process.cast("release", request_ids)  # in order, unanswered
         elif self.manager is not None:
             with self._lock:
                 for rid in request_ids:
@@ -247,13 +260,93 @@ class StructuredOutputWorker:
             return fill_rows(self.manager, self._mask_buffers.host_rows, jobs)
 
     def _new_mask_buffers(self, vocab_size: int) -> MaskBuffers:
-        """In-process rows grow on demand; a grammar process's are mapped once, for the most
-        rows a step can have."""
+        """In-process rows grow on demand; a grammar process's are mapped once (its board),
+        for the most rows a step can have."""
         if self.process is None:
             return MaskBuffers(vocab_size, self.device)
         most = self.config.max_num_seqs * (1 + self.config.num_speculative_tokens)
-        rows = self.process.map_rows(most, num_mask_words(vocab_size), self.device)
-        return MaskBuffers(vocab_size, self.device, host=rows)
+        board = self.process.map_board(most, num_mask_words(vocab_size), self.device)
+        if self.device.type == "cuda":
+            self._gate_rows = torch.empty_like(board.rows(0), device=self.device)
+            self._gate_index = torch.empty_like(board.row_index(0), device=self.device)
+        return MaskBuffers(vocab_size, self.device, host=board.rows(0))
+
+    # ---- per step with a grammar process: gates, nothing waits on this thread --------------------
+
+    @property
+    def gates(self) -> bool:
+        """Whether constrained steps go through gates (``grammar_board``): with a grammar
+        process, without speculative decoding (whose steps wait for their rows), and on CUDA
+        where the driver has stream memory operations."""
+        if self.process is None or self.config.speculative_method is not None:
+            return False
+        if self._stream_flags is None:
+            self._stream_flags = self.device.type != "cuda" or _stream_flags_work(self.device)
+        return self._stream_flags
+
+    @property
+    def gates_sent(self) -> int:
+        """Constrained steps sent through gates so far."""
+        return self._gate
+
+    def gate_step(
+        self, commits: list[GateCommit], seqs: list[Sequence], logits: torch.Tensor
+    ) -> int:
+        """Send a step's grammar work to the grammar process and queue the masking of
+        ``logits`` behind it; returns the step's gate. ``commits``: the acknowledged tokens per
+        request, a placeholder's source a ``(gate, row)`` of the ring (``publish``).
+
+        On CUDA the stream waits for the child's rows, copies them, marks them copied and
+        masks; the caller queues the sampling next, and nothing here waits. On CPU this waits
+        for the rows and masks at once. A child that fails leaves the logits unmasked and fails
+        the gate's requests (``gate_errors``)."""
+        if self._mask_buffers is None:
+            self._mask_buffers = self._new_mask_buffers(logits.shape[1])
+        process, board = self.process, self.process.board
+        self._gate += 1
+        gate, jobs = self._gate, self._jobs(seqs, [[]] * len(seqs))
+        try:
+            process.send_gate(gate, commits, jobs)
+        except GrammarProcessError:
+            return gate  # gate_errors says why
+        n = len(jobs)
+        from atom.model_ops.triton_structured_output import apply_token_bitmask_inplace
+
+        if self.device.type != "cuda":
+            with contextlib.suppress(GrammarBoardTimeout):  # gate_errors reports the child
+                board.wait(DONE, gate, self.config.worker_timeout_s, process.alive)
+                apply_token_bitmask_inplace(logits, board.rows(gate)[:n], board.row_index(gate)[:n])
+            board.set(COPIED, gate)
+            return gate
+        stream = torch.cuda.current_stream(self.device)
+        stream_wait(stream, board.address(DONE), gate)
+        rows, index = self._gate_rows[:n], self._gate_index[:n]
+        rows.copy_(board.rows(gate)[:n], non_blocking=True)
+        index.copy_(board.row_index(gate)[:n], non_blocking=True)
+        stream_write(stream, board.address(COPIED), gate)
+        apply_token_bitmask_inplace(logits, rows, index)
+        return gate
+
+    def publish(self, gate: int, token_ids: torch.Tensor) -> None:
+        """Put a gate's sampled ids into the ring once they are sampled (on the stream, after
+        the work queued so far), for the next gate's commits."""
+        board = self.process.board
+        slot = board.tokens(gate)[: token_ids.numel()]
+        if self.device.type != "cuda":
+            slot.copy_(token_ids)
+            board.set(TOKENS, gate)
+            return
+        slot.copy_(token_ids.to(torch.int32), non_blocking=True)
+        stream_write(torch.cuda.current_stream(self.device), board.address(TOKENS), gate)
+
+    def gate_errors(self, gate: int, constrained: list[int]) -> dict[int, str]:
+        """A gate's structured-output errors by sequence id (waits for the child's answer:
+        read before the gate's sampled ids, which wait for its rows); if the child failed, all
+        of ``constrained`` (the gate's constrained sequences) fail."""
+        try:
+            return self.process.gate_answer(gate)
+        except GrammarProcessError as e:
+            return {seq_id: str(e) for seq_id in constrained}
 
     def _jobs(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[RowJob]:
         """The constrained requests among ``seqs`` (in logits row order; sequence i has
@@ -287,7 +380,7 @@ class StructuredOutputWorker:
 
     def _initialize(self) -> None:
         """Background: this rank's tokenizer and grammar tokenizer, then the manager, here or
-        in a grammar process (``EngineConfig.structured_output_grammar_process``)."""
+        in a grammar process (``EngineConfig.grammar_process``)."""
         try:
             tokenizer_path = self.config.tokenizer or self.model_path
             tokenizer = load_tokenizer(tokenizer_path)
@@ -299,7 +392,7 @@ class StructuredOutputWorker:
                 "threads": self.config.structured_output_threads,
                 "whitespace": self.config.structured_output_whitespace,
             }
-            if self.config.structured_output_grammar_process:
+            if self.config.grammar_process(self.device.type):
                 timeout_s = self.config.worker_timeout_s
                 self.process = GrammarProcess(tokenizer_path, options, timeout_s)
             else:
@@ -310,3 +403,16 @@ class StructuredOutputWorker:
 
     def _answer(self, status: str, message: str = "") -> dict:
         return {"status": status, "message": message, "rank": self.rank}
+
+
+def _stream_flags_work(device: torch.device) -> bool:
+    """Whether a stream on ``device`` can write a page-locked host counter (the driver's
+    stream memory operations); if not, a grammar process's steps wait for their rows."""
+    counter = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    try:
+        stream_write(torch.cuda.current_stream(device), counter.data_ptr(), 1)
+        torch.cuda.synchronize(device)
+    except RuntimeError:
+        logger.warning("structured output: no stream memory operations; steps wait for rows")
+        return False
+    return int(counter.item()) == 1

@@ -1,6 +1,8 @@
-"""Grammar states in a process of their own (``grammar_process``), on CPU: the same answers as
-in the rank's process, nothing left behind, and a grammar process that dies fails only the
-constrained requests (later ones get a clear refusal), never the engine."""
+"""Grammar states in a process of their own (``grammar_process``): the same answers as in the
+rank's process, nothing left behind, and a grammar process that dies fails only the constrained
+requests (later ones get a clear refusal), never the engine. On CPU, and on CUDA (``gpu``),
+where a step's stream waits on the board for the child's rows (``grammar_board``): a child
+killed mid-answer must release that wait, or the engine hangs."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from atom.config import EngineConfig
 from atom.model_engine.llm_engine import LLMEngine
@@ -19,7 +22,10 @@ pytest.importorskip("llguidance")
 
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }
@@ -33,12 +39,21 @@ def _spec():
     return StructuredOutputSpec.of(parse_chat_response_format(fmt), None)
 
 
-def _engine(model_dir, grammar_process: bool) -> LLMEngine:
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _engine(request, grammar_process: bool, device: str = "cpu") -> LLMEngine:
+    """SmolLM2 on CPU; on CUDA a tiny random Llama with its tokenizer (the GPU machine has no
+    embedded model)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model_dir = request.getfixturevalue("tiny_llama_dir" if device == "cuda" else "smollm2_dir")
     config = EngineConfig(
         model=str(model_dir),
-        device="cpu",
+        device=device,
         dtype="float32",
         max_model_len=512,
+        kv_cache_bytes=256 << 20,
         structured_output_grammar_process=grammar_process,
     )
     return LLMEngine(config)
@@ -67,11 +82,12 @@ def _run(engine: LLMEngine, requests: dict, on_step=None) -> dict:
 
 
 def _requests(engine: LLMEngine) -> dict:
-    constrained = SamplingParams(temperature=0.0, max_tokens=40, structured_output=_spec())
+    constrained = SamplingParams(temperature=0.0, max_tokens=64, structured_output=_spec())
+    plain = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     return {
         "json": (_prompt(engine, "Give a person as JSON."), constrained),
         "json-2": (_prompt(engine, "Describe a friend as JSON."), constrained),
-        "plain": (_prompt(engine, "Say hi."), SamplingParams(temperature=0.0, max_tokens=20)),
+        "plain": (_prompt(engine, "Say hi."), plain),
     }
 
 
@@ -79,15 +95,18 @@ def _worker(engine: LLMEngine):
     return engine.executor.workers[0].structured_output
 
 
-def test_same_answers_as_in_process(smollm2_dir):
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_answers_as_in_process(request, device):
     results = {}
     for grammar_process in (False, True):
-        engine = _engine(smollm2_dir, grammar_process)
+        engine = _engine(request, grammar_process, device)
         try:
             final = _run(engine, _requests(engine))
             worker = _worker(engine)
             assert (worker.process is not None) == grammar_process
             assert (worker.manager is None) == grammar_process
+            # Steps of a grammar process go through gates: nothing waits on the engine thread
+            assert (worker.gates_sent > 0) == grammar_process
             assert engine.structured_output_stats()["live_grammar_states"] == 0
             results[grammar_process] = {
                 rid: (o.output_token_ids, o.text, o.finish_reason, o.error)
@@ -101,8 +120,9 @@ def test_same_answers_as_in_process(smollm2_dir):
         assert set(json.loads(results[True][rid][1])) == {"name", "age"}
 
 
-def test_a_dead_grammar_process_fails_only_constrained_requests(smollm2_dir):
-    engine = _engine(smollm2_dir, True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_dead_grammar_process_fails_only_constrained_requests(request, device):
+    engine = _engine(request, True, device)
     try:
         requests = _requests(engine)
         killed = []

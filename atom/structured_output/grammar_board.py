@@ -1,0 +1,131 @@
+"""The memory a rank and its grammar process share: counters, sampled ids and mask rows.
+
+With a grammar process (``grammar_process``) a constrained step is a numbered "gate". The rank
+never waits for the child's work: it queues, on its stream, a wait until the child has written
+the gate's rows, the copy of those rows and the mask kernel, then the sampling, and publishes the
+sampled ids here for the child to commit. Three 64-bit counters say how far each side got:
+
+- ``TOKENS``: the newest gate whose sampled ids are in the ring (written by the stream after the
+  ids' copy; by the host on CPU).
+- ``DONE``: the newest gate whose rows the child has written (the stream's wait reads it).
+- ``COPIED``: the newest gate whose rows the stream has copied to the device, so the child may
+  write that area again (gate ``n`` uses area ``n % 2``).
+
+The counters only grow. The rank sets ``DONE`` to ``RELEASED`` when the child fails or the rank
+shuts down, so a stream never waits for a child that is gone. The mapping is one file in
+``/dev/shm``, page-locked in the rank on CUDA, so the stream reads and writes it directly.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["COPIED", "DONE", "RELEASED", "TOKENS", "GrammarBoard", "GrammarBoardTimeout"]
+
+TOKENS, DONE, COPIED = 0, 1, 2
+RELEASED = 1 << 62  # past every gate: a stream waiting on DONE goes on
+RING_SLOTS = 4  # gates whose sampled ids the ring keeps; a step reads only the previous gate's
+_FLAG_BYTES = 64
+_SPIN_S = 0.002  # a host wait spins (yielding) this long before it sleeps between looks
+
+
+class GrammarBoardTimeout(TimeoutError):
+    """A counter did not reach its value in time."""
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _FLAG_BYTES) * _FLAG_BYTES
+
+
+def _layout(max_rows: int, num_words: int) -> tuple[int, int, int]:
+    """Bytes of the ring, of an area's mask rows, and of an area (rows, then row index); each
+    section starts on a 64-byte boundary after the counters."""
+    rows = _aligned(max_rows * num_words * 4)
+    return _aligned(RING_SLOTS * max_rows * 4), rows, rows + _aligned(max_rows * 4)
+
+
+class GrammarBoard:
+    """Views of one shared mapping of ``max_rows`` rows of ``num_words`` mask words."""
+
+    def __init__(self, path: str, max_rows: int, num_words: int) -> None:
+        self.path, self.max_rows, self.num_words = path, max_rows, num_words
+        ring, rows_bytes, area = _layout(max_rows, num_words)
+        self.nbytes = _FLAG_BYTES + ring + 2 * area
+        raw = self.raw = torch.from_file(path, shared=True, size=self.nbytes, dtype=torch.uint8)
+        self._flags = raw[:_FLAG_BYTES].view(torch.int64).numpy()
+        ring_ids = raw[_FLAG_BYTES : _FLAG_BYTES + RING_SLOTS * max_rows * 4].view(torch.int32)
+        self.ring = ring_ids.view(RING_SLOTS, max_rows)
+        self._areas = []
+        for k in range(2):
+            start = _FLAG_BYTES + ring + k * area
+            rows = raw[start : start + max_rows * num_words * 4].view(torch.int32)
+            index = raw[start + rows_bytes : start + rows_bytes + max_rows * 4].view(torch.int32)
+            self._areas.append((rows.view(max_rows, num_words), index))
+
+    @classmethod
+    def create(cls, max_rows: int, num_words: int) -> GrammarBoard:
+        """A new zeroed mapping; its file is unlinked once the other side mapped it
+        (``unlink``), the memory lives as long as a mapping does."""
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        fd, path = tempfile.mkstemp(prefix="atom-grammar-board-", dir=folder)
+        ring, _, area = _layout(max_rows, num_words)
+        try:
+            os.ftruncate(fd, _FLAG_BYTES + ring + 2 * area)
+        finally:
+            os.close(fd)
+        return cls(path, max_rows, num_words)
+
+    def unlink(self) -> None:
+        os.unlink(self.path)
+
+    def rows(self, gate: int) -> torch.Tensor:
+        """The mask rows of ``gate``'s area: ``[max_rows, num_words]`` int32."""
+        return self._areas[gate % 2][0]
+
+    def row_index(self, gate: int) -> torch.Tensor:
+        """The logits row of each mask row of ``gate``'s area: ``[max_rows]`` int32."""
+        return self._areas[gate % 2][1]
+
+    def tokens(self, gate: int) -> torch.Tensor:
+        """The ring slot of ``gate``'s sampled ids, in its sampling row order."""
+        return self.ring[gate % RING_SLOTS]
+
+    def address(self, flag: int) -> int:
+        """The host address of counter ``flag`` (a stream waits on or writes it there)."""
+        return self.raw.data_ptr() + 8 * flag
+
+    def get(self, flag: int) -> int:
+        return int(self._flags[flag])
+
+    def set(self, flag: int, value: int) -> None:
+        """Raise a counter from the host (never lowers it)."""
+        if int(self._flags[flag]) < value:
+            self._flags[flag] = value
+
+    def wait(
+        self,
+        flag: int,
+        value: int,
+        timeout_s: float,
+        alive: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """Return once counter ``flag`` reached ``value``: spin (yielding the core) for a moment,
+        then look every 100 µs; raise ``GrammarBoardTimeout`` after ``timeout_s`` or once
+        ``alive()`` is false (the writer is gone)."""
+        flags = self._flags
+        if flags[flag] >= value:
+            return
+        start = time.perf_counter()
+        while flags[flag] < value:
+            waited = time.perf_counter() - start
+            if waited > timeout_s or not alive():
+                raise GrammarBoardTimeout(f"counter {flag} did not reach {value} in {waited:.3g} s")
+            if waited < _SPIN_S:
+                os.sched_yield()
+            else:
+                time.sleep(1e-4)

@@ -1,0 +1,70 @@
+"""The board a rank shares with its grammar process (``grammar_board``): two mappings of one
+file see each other's counters and rows, counters only grow, and a wait ends with a timeout
+when the value never comes or the writer is gone (a stream never waits on a dead child)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from atom.config import EngineConfig
+from atom.structured_output.grammar_board import (
+    COPIED,
+    DONE,
+    RELEASED,
+    TOKENS,
+    GrammarBoard,
+    GrammarBoardTimeout,
+)
+
+
+@pytest.fixture
+def boards():
+    rank = GrammarBoard.create(max_rows=8, num_words=5)
+    child = GrammarBoard(rank.path, 8, 5)
+    rank.unlink()
+    return rank, child
+
+
+def test_two_mappings_share_counters_rows_and_ring(boards):
+    rank, child = boards
+    assert [rank.get(f) for f in (TOKENS, DONE, COPIED)] == [0, 0, 0]
+    child.rows(3)[2] = 7
+    child.row_index(3)[:2] = 4
+    rank.tokens(6)[1] = 42
+    assert int(rank.rows(1)[2, 0]) == 7 and int(rank.rows(2)[2, 0]) == 0  # gate 3: area 1
+    assert rank.row_index(5)[:2].tolist() == [4, 4]
+    assert int(child.tokens(2)[1]) == 42  # gate 6 and gate 2 share a ring slot of 4
+    child.set(DONE, 5)
+    child.set(DONE, 3)  # never lowered
+    assert rank.get(DONE) == 5
+    assert rank.address(DONE) - rank.address(TOKENS) == 8
+
+
+def test_a_wait_ends_when_the_counter_arrives(boards):
+    rank, child = boards
+    threading.Timer(0.05, child.set, (TOKENS, 2)).start()
+    start = time.perf_counter()
+    rank.wait(TOKENS, 2, timeout_s=5)
+    assert 0.04 < time.perf_counter() - start < 2
+
+
+def test_a_wait_ends_on_timeout_or_a_dead_writer(boards):
+    rank, _ = boards
+    with pytest.raises(GrammarBoardTimeout):
+        rank.wait(DONE, 1, timeout_s=0.05)
+    start = time.perf_counter()
+    with pytest.raises(GrammarBoardTimeout):
+        rank.wait(DONE, 1, timeout_s=60, alive=lambda: False)
+    assert time.perf_counter() - start < 1
+    rank.set(DONE, RELEASED)
+    rank.wait(DONE, 10**9, timeout_s=0)  # released: every gate passes
+
+
+def test_grammar_process_default_follows_the_device():
+    assert EngineConfig().grammar_process("cuda") is True
+    assert EngineConfig().grammar_process("cpu") is False
+    assert EngineConfig(structured_output_grammar_process=False).grammar_process("cuda") is False
+    assert EngineConfig(structured_output_grammar_process=True).grammar_process("cpu") is True
