@@ -28,6 +28,8 @@
 #                                          with and without a grammar process; ~8 minutes)
 #   bash benchmarks/gpu_suite.sh gates_closing (GPU tests, memcheck, structured-output overhead
 #                                          with the defaults; about 9 minutes)
+#   bash benchmarks/gpu_suite.sh gates_serving (bench_serving, then the mostly-allowed
+#                                          structured-output overhead; about 6 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -213,9 +215,17 @@ gates_closing() {  # one call: GPU tests, memcheck (its runs use gates: the CUDA
     step structured 150 python3 benchmarks/bench_structured_serving.py --random-llama-1b \
         --device cuda --schema-kinds mostly-forbidden --tag gates_default --out $out
 }
+gates_serving() {  # with the defaults (gates): the online serving benchmark, then the
+    # structured-output overhead of the mostly-allowed schema
+    step serving 200 python3 benchmarks/bench_serving.py --random-llama-1b --device cuda \
+        --client-procs 4 --out $out
+    step structured_allowed 170 python3 benchmarks/bench_structured_serving.py \
+        --random-llama-1b --device cuda --schema-kinds mostly-allowed --tag gates_allowed \
+        --out $out
+}
 gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing or final}"
+"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving or final}"
 tail -n 200 $out/summary.log
