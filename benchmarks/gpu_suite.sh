@@ -30,6 +30,7 @@
 #                                          with the defaults; about 9 minutes)
 #   bash benchmarks/gpu_suite.sh gates_serving (bench_serving, then the mostly-allowed
 #                                          structured-output overhead; about 6 minutes)
+#   bash benchmarks/gpu_suite.sh gates_profile (host segments of a step with gates; ~3 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -223,9 +224,15 @@ gates_serving() {  # with the defaults (gates): the online serving benchmark, th
         --random-llama-1b --device cuda --schema-kinds mostly-allowed --tag gates_allowed \
         --out $out
 }
+gates_profile() {  # where a constrained step's time goes with gates: the engine thread's
+    # segments and the grammar process's own time per gate
+    step profile_gates 170 python3 benchmarks/profile_step.py --random-llama-1b --device cuda \
+        --batch-sizes 16 64 256 --schemas mostly-forbidden --steps 16 --profile-steps 2 \
+        --grammar-process on --tag gates --out $out
+}
 gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving or final}"
+"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile or final}"
 tail -n 200 $out/summary.log

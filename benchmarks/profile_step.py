@@ -8,7 +8,9 @@ next `--steps` full-batch decode steps run with timers wrapped around the method
 more run under `torch.profiler`, whose CUDA kernels give the share of each step's wall time the
 GPU was busy. The segments nest (`read` holds `process`) and some run on the grammar thread
 (`fill`, `commit_many`, and `token_wait` partly) at the same time as the engine thread's, so
-they do not add up to the step.
+they do not add up to the step. With gates (a grammar process) the `gate_*` segments are the
+engine thread's and `child_gate_ms` / `child_wait_ms` the grammar process's own time per gate,
+working and waiting for the stream.
 
 Prints a table of milliseconds per step; writes benchmarks/results/profile_step_{device}.json
 and, with `--trace`, a gzipped Chrome trace per setting under `--trace-dir`.
@@ -94,9 +96,48 @@ def instrument(engine: Any, segments: Segments) -> None:
             (worker.manager, "commit_many", "commit_many"),  # grammar thread
         ]
     if worker.process is not None:  # commit and fill run in the grammar process
-        wraps.append((worker.process, "call", "grammar_process_call"))  # grammar thread
+        wraps += [
+            (worker.process, "call", "grammar_process_call"),  # grammar thread (drafts)
+            (runner, "_gate_commits", "gate_commits"),  # engine thread, from here on
+            (worker, "gate_step", "gate_send_mask"),
+            (worker, "publish", "gate_publish"),
+            (worker, "gate_errors", "gate_answer_wait"),
+        ]
     for owner, name, label in wraps:
         segments.wrap(owner, name, label)
+
+
+class ChildTiming:
+    """With gates: the grammar process's own time per gate (``_Grammars.gate_timing``), busy and
+    waiting for the stream, over the gates of the timed steps (read before the first and after
+    the last: a call waits for the gates in flight, so never between two timed steps)."""
+
+    def __init__(self, engine: Any) -> None:
+        (runner,) = engine.executor.workers
+        worker = runner.structured_output
+        self.process = worker.process if worker.process is not None and worker.gates else None
+        self.gates, self.busy_s, self.waited_s = 0, 0.0, 0.0
+        self._before: tuple[int, float, float] | None = None
+
+    def start(self) -> None:
+        if self.process is not None:
+            self._before = self.process.call("gate_timing")
+
+    def stop(self) -> None:
+        if self.process is None or self._before is None:
+            return
+        gates, busy, waited = self.process.call("gate_timing")
+        self.gates += gates - self._before[0]
+        self.busy_s += busy - self._before[1]
+        self.waited_s += waited - self._before[2]
+
+    def per_step_ms(self) -> dict:
+        if not self.gates:
+            return {}
+        return {
+            "child_gate_ms": 1000 * (self.busy_s - self.waited_s) / self.gates,
+            "child_wait_ms": 1000 * self.waited_s / self.gates,
+        }
 
 
 def gpu_busy_ms(prof: Any) -> float:
@@ -129,17 +170,22 @@ def run_setting(
     import torch
 
     segments.total.clear()
+    child = ChildTiming(engine)
     timer = bss.StepTimer(engine)
     bss.add_requests(engine, prompts, specs, args)
     n, walls, profiled = len(prompts), [], None
     while engine.has_unfinished_requests():
         full = timer.full_decode(n)
         if full and len(walls) < args.steps:
+            if not walls:
+                child.start()
             segments.on = True
             t0 = time.perf_counter()
             engine.step()
             walls.append(time.perf_counter() - t0)
             segments.on = False
+            if len(walls) == args.steps:
+                child.stop()
         elif full and profiled is None:
             segments.annotate = True
             profiled = profile(engine, args.profile_steps, trace)
@@ -153,6 +199,7 @@ def run_setting(
         raise SystemExit(f"batch {n}: no full-batch decode step (raise --max-tokens)")
     out = {"steps": steps, "step_ms": 1000 * statistics.fmean(walls)}
     out.update({k: 1000 * v / steps for k, v in sorted(segments.total.items())})
+    out.update(child.per_step_ms())
     if profiled is not None:
         out.update(profiled)
     return out

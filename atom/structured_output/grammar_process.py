@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import threading
+import time
 from collections import deque
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -213,6 +214,7 @@ class _Grammars:
         self.manager = StructuredOutputManager(load_tokenizer(tokenizer), **manager_options)
         self.board: GrammarBoard | None = None
         self._views: dict[tuple[int, int], torch.Tensor] = {}  # fill_masks keeps a view it knows
+        self._gates, self._gate_s, self._waited_s = 0, 0.0, 0.0  # see gate_timing
 
     def admit(self, spec: Any, api_fingerprint: str, vocab_size: int, wait_s: float) -> Any:
         return self.manager.admit(spec, api_fingerprint, vocab_size, wait_s)
@@ -257,9 +259,12 @@ class _Grammars:
 
         board = self.board
         assert board is not None, "map_board first"
+        start = time.perf_counter()
         try:
             self.manager.commit_many(self._resolve(board, commits, timeout_s))
+            waited = time.perf_counter()
             board.wait(COPIED, gate - 2, timeout_s)
+            self._waited_s += time.perf_counter() - waited
             filled = fill_rows(self.manager, lambda n: self._rows(gate, n), jobs)
             masked = set(filled.logits_rows)
             unmasked = [job[3] for job in jobs if job[3] not in masked]
@@ -269,14 +274,22 @@ class _Grammars:
             return filled.errors
         finally:
             board.set(DONE, gate)
+            self._gates += 1
+            self._gate_s += time.perf_counter() - start
 
-    @staticmethod
-    def _resolve(board: GrammarBoard, commits: list, timeout_s: float) -> list:
+    def gate_timing(self) -> tuple[int, float, float]:
+        """Gates done, seconds in them, and seconds of that waiting for the stream (sampled ids
+        published, an area copied): ``benchmarks/profile_step.py`` reads it."""
+        return self._gates, self._gate_s, self._waited_s
+
+    def _resolve(self, board: GrammarBoard, commits: list, timeout_s: float) -> list:
         """``(request_id, tokens, source)`` with ``source`` a ``(gate, row)`` of the ring for
         the placeholder in ``tokens``, as ``(request_id, tokens)``."""
         sources = [source for _, _, source in commits if source is not None]
         if sources:
+            waited = time.perf_counter()
             board.wait(TOKENS, max(g for g, _ in sources), timeout_s)
+            self._waited_s += time.perf_counter() - waited
         slots: dict[int, np.ndarray] = {}  # numpy views: a tensor read per element is slow
         updates = []
         for request_id, tokens, source in commits:
