@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import threading
 import time
 from collections import deque
@@ -304,11 +305,24 @@ class _Grammars:
         return updates
 
 
+def _leave_a_core(manager_options: dict) -> dict:
+    """Keep the child (and llguidance's executor threads, which inherit its affinity) off one of
+    its cores, so the rank's engine thread always finds one free: with the child on every core,
+    the engine thread's step at batch 256 took 2x as long on the H200's 16 cores while the
+    child filled (benchmarks/results/h200_2026-12-03n). Hosts with fewer than 4 cores keep them
+    all."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) < 4:
+        return manager_options
+    os.sched_setaffinity(0, cores[:-1])
+    return {**manager_options, "threads": min(manager_options["threads"], len(cores) - 1)}
+
+
 def _serve(conn: Connection, tokenizer: str, manager_options: dict) -> None:
     """The child: build the manager, then answer calls until shutdown or a closed pipe."""
     torch.set_num_threads(1)
     try:
-        grammars = _Grammars(tokenizer, manager_options)
+        grammars = _Grammars(tokenizer, _leave_a_core(manager_options))
     except Exception as e:  # noqa: BLE001 - reported to the rank, which refuses structured output
         conn.send((False, f"structured output initialization failed: {e!r}"))
         return

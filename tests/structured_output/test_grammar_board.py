@@ -68,3 +68,21 @@ def test_grammar_process_default_follows_the_device():
     assert EngineConfig().grammar_process("cpu") is False
     assert EngineConfig(structured_output_grammar_process=False).grammar_process("cuda") is False
     assert EngineConfig(structured_output_grammar_process=True).grammar_process("cpu") is True
+
+
+def test_a_grammar_process_leaves_the_engine_thread_a_core(monkeypatch):
+    """On 4 cores or more the child and its llguidance threads stay off the last one; on fewer
+    (this CI machine has 2) it keeps them all."""
+    from atom.structured_output import grammar_process
+
+    placed: list[list[int]] = []
+    monkeypatch.setattr(grammar_process.os, "sched_setaffinity", lambda _, c: placed.append(c))
+    monkeypatch.setattr(grammar_process.os, "sched_getaffinity", lambda _: set(range(16)))
+    assert grammar_process._leave_a_core({"threads": 16, "vocab_size": 9}) == {
+        "threads": 15,
+        "vocab_size": 9,
+    }
+    assert placed == [list(range(15))]
+    monkeypatch.setattr(grammar_process.os, "sched_getaffinity", lambda _: {0, 1})
+    assert grammar_process._leave_a_core({"threads": 2}) == {"threads": 2}
+    assert len(placed) == 1
