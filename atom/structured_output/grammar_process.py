@@ -12,7 +12,7 @@ Without speculative decoding a constrained step is a gate: the rank sends the ch
 commits and rows (``send_gate``) and queues on its stream a wait for the child's rows, their
 copy, the mask and the sampling, without waiting for anything; the stream publishes the sampled
 ids on the board, where the child reads them for the next gate. The rank reads a gate's errors
-(``gate_answer``) when it reads that step's output. With speculative decoding a step still waits
+(``answer_of``) when it reads that step's output. With speculative decoding a step still waits
 for the child's answer (``step``) before it samples.
 
 The child never touches CUDA. It runs one message at a time, in order, and answers calls and
@@ -41,9 +41,13 @@ import torch
 from atom.model_engine.sequence import PLACEHOLDER
 from atom.structured_output.grammar_board import COPIED, DONE, RELEASED, TOKENS, GrammarBoard
 
-__all__ = ["GrammarProcess", "GrammarProcessError"]
+__all__ = ["GrammarProcess", "GrammarProcessError", "Ticket"]
 
 logger = logging.getLogger(__name__)
+
+
+# A message sent without waiting for its answer: ("gate", gate number) or ("call", count).
+Ticket = tuple[str, int]
 
 
 class GrammarProcessError(RuntimeError):
@@ -74,8 +78,11 @@ class GrammarProcess:
         self._lock = threading.Lock()  # one call at a time: steps, admissions and releases
         self._pinned: int | None = None  # the board's address while page-locked
         self.board: GrammarBoard | None = None  # set by ``map_board``
-        self._gates: deque[int] = deque()  # gates sent, answers not read yet (in order)
-        self._gate_answers: dict[int, dict[int, str] | GrammarProcessError] = {}
+        # Messages sent without waiting (gates among them), by ticket: those whose answers are
+        # still due (in order), and those answered and not read yet.
+        self._in_flight: deque[Ticket] = deque()
+        self._answers: dict[Ticket, Any] = {}
+        self._sent = 0  # calls sent without waiting so far
         self.dead_reason: str | None = None  # set when the child exited or stopped answering
         self._answer("start")  # the child's first message: its manager is built
 
@@ -88,10 +95,11 @@ class GrammarProcess:
 
     def call(self, method: str, *args: Any) -> Any:
         """``method`` of the child's ``_Grammars`` with ``args``; its result (the answers of
-        gates sent before it are kept for ``gate_answer``)."""
+        messages sent before it are kept for ``answer_of``)."""
         with self._lock:
             self._send(method, args, True)
-            self._collect_gates()
+            while self._in_flight:
+                self._collect_one()
             return self._answer(method)
 
     def cast(self, method: str, *args: Any) -> None:
@@ -99,21 +107,40 @@ class GrammarProcess:
         with self._lock:
             self._send(method, args, False)
 
-    def send_gate(self, gate: int, commits: list, jobs: list) -> None:
+    def send(self, method: str, *args: Any) -> Ticket:
+        """``method`` with ``args`` without waiting for its answer; returns the ticket that
+        ``answer_of`` reads it by."""
+        with self._lock:
+            self._send(method, args, True)
+            self._sent += 1
+            self._in_flight.append(("call", self._sent))
+            return self._in_flight[-1]
+
+    def send_gate(self, gate: int, commits: list, jobs: list) -> Ticket:
         """Queue a gate's grammar work (``_Grammars.gate``) without waiting for it; its answer
-        is read by ``gate_answer``."""
+        is read by ``answer_of`` with the returned ticket."""
         with self._lock:
             self._send("gate", (gate, commits, jobs, self._timeout_s), True)
-            self._gates.append(gate)
+            self._in_flight.append(("gate", gate))
+            return self._in_flight[-1]
 
-    def gate_answer(self, gate: int) -> dict[int, str]:
-        """The errors by sequence id of a gate sent earlier (waits for the child's answer)."""
+    @property
+    def busy(self) -> bool:
+        """Whether answers are still due: a ``call`` now would wait for them."""
+        return bool(self._in_flight)
+
+    def answer_of(self, ticket: Ticket, wait: bool = True) -> Any:
+        """The answer to a message sent without waiting (``send``, ``send_gate``), read once;
+        raises ``GrammarProcessError`` for one that failed. ``wait=False``: None while it has
+        not come back."""
         with self._lock:
-            while gate not in self._gate_answers:
-                if not self._gates or self._gates[0] > gate:
-                    raise GrammarProcessError(f"structured output: gate {gate} was never sent")
-                self._collect_one_gate()
-            answer = self._gate_answers.pop(gate)
+            while ticket not in self._answers:
+                if ticket not in self._in_flight:  # a few messages at most
+                    raise GrammarProcessError(f"structured output: {ticket} was never sent")
+                if not wait and not self._conn.poll(0):
+                    return None
+                self._collect_one()
+            answer = self._answers.pop(ticket)
         if isinstance(answer, GrammarProcessError):
             raise answer
         return answer
@@ -126,19 +153,16 @@ class GrammarProcess:
         except (OSError, EOFError) as e:
             raise self._dead("structured output: the grammar process exited") from e
 
-    def _collect_gates(self) -> None:
-        while self._gates:
-            self._collect_one_gate()
-
-    def _collect_one_gate(self) -> None:
-        gate = self._gates[0]
+    def _collect_one(self) -> None:
+        """Read the answer of the oldest message in flight."""
+        ticket = self._in_flight[0]
         try:
-            self._gate_answers[gate] = self._answer("gate")
-        except GrammarProcessError as e:  # a failed gate fails its requests, not the call
+            self._answers[ticket] = self._answer("an earlier message")
+        except GrammarProcessError as e:  # a failed message fails its requests, not the call
             if self.dead_reason is not None:
                 raise
-            self._gate_answers[gate] = e
-        self._gates.popleft()
+            self._answers[ticket] = e
+        self._in_flight.popleft()
 
     def _dead(self, reason: str) -> GrammarProcessError:
         """The child is gone: every later call fails at once, and no stream waits for it."""

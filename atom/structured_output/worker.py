@@ -22,7 +22,8 @@ With a grammar process (``EngineConfig.grammar_process``: on CUDA by default) th
 a process of their own (``grammar_process``): the same steps run there, on their own
 interpreter, and write the rows into memory both processes map. Without speculative decoding its
 steps are gates (``gate_step``, ``grammar_board``): the stream, not this thread, waits for the
-rows, so the engine thread only sends a step and reads its errors with its output.
+rows, so the engine thread only sends a step and reads its errors with its output; and while
+gates are in flight ``prepare`` asks without waiting and answers at a later poll.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from atom.config import EngineConfig
 from atom.model_engine.tokenizer import eos_token_ids, load_tokenizer
 from atom.model_ops.embed_head import ParallelLMHead
 from atom.structured_output.grammar_board import COPIED, DONE, TOKENS, GrammarBoardTimeout
-from atom.structured_output.grammar_process import GrammarProcess, GrammarProcessError
+from atom.structured_output.grammar_process import GrammarProcess, GrammarProcessError, Ticket
 from atom.structured_output.grammar_rows import GrammarRows, RowJob, fill_rows
 from atom.structured_output.manager import AdmissionResult, StructuredOutputManager
 from atom.structured_output.stream_flags import stream_wait, stream_write
@@ -102,6 +103,11 @@ class StructuredOutputWorker:
         self._gate_rows: torch.Tensor | None = None  # CUDA: a gate's rows copied to the device
         self._gate_index: torch.Tensor | None = None  # and their logits rows
         self._stream_flags: bool | None = None  # whether the stream waits work (``gates``)
+        # ``prepare`` sent to a busy grammar process: the ticket and items of the ask in flight,
+        # and answers not yet given to the engine, by request id (``_prepare_in_process``).
+        self._prepare_ticket: Ticket | None = None
+        self._asked: list[tuple[str, Any]] = []
+        self._prepared: dict[str, AdmissionResult] = {}
         # Steps run one at a time on this thread; the lock keeps RPCs from touching grammar
         # states while one runs (the engine never overlaps them, this makes sure of it).
         self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="atom-grammar-step")
@@ -142,12 +148,41 @@ class StructuredOutputWorker:
         if refusal is not None:
             return {rid: AdmissionResult("error", refusal) for rid, _ in items}
         if self.process is not None:
-            return self.process.call("prepare", items)
+            return self._prepare_in_process(items)
         with self._lock:
             return {rid: self.manager.prepare(rid, spec) for rid, spec in items}
 
+    def _prepare_in_process(self, items: list[tuple[str, Any]]) -> dict[str, AdmissionResult]:
+        """``prepare`` with a grammar process. With messages in flight (gates) a call would wait
+        for them, holding up the engine thread for a step: then the items are sent without
+        waiting, and answered at a later poll from what the grammar process said (pending until
+        then; a pending answer is asked again)."""
+        process = self.process
+        if not process.busy:
+            return process.call("prepare", items)
+        if self._prepare_ticket is not None:
+            try:
+                answers = process.answer_of(self._prepare_ticket, wait=False)
+            except GrammarProcessError as e:
+                answers = {rid: AdmissionResult("error", str(e)) for rid, _ in self._asked}
+            if answers is not None:
+                self._prepared.update(answers)
+                self._prepare_ticket, self._asked = None, []
+        results, ask = {}, []
+        for rid, spec in items:
+            result = self._prepared.pop(rid, None)
+            if result is None or result.status == "pending":
+                result = AdmissionResult("pending")
+                ask.append((rid, spec))
+            results[rid] = result
+        if ask and self._prepare_ticket is None:
+            self._prepare_ticket, self._asked = process.send("prepare", ask), ask
+        return results
+
     def release(self, request_ids: list[str]) -> None:
         """Drop these requests' grammar state; idempotent (every terminal path may call it)."""
+        for rid in request_ids:
+            self._prepared.pop(rid, None)
         if self.process is not None and self.process.dead_reason is None:
             self.process.cast("release", request_ids)  # in order, unanswered
         elif self.manager is not None:
@@ -344,7 +379,7 @@ class StructuredOutputWorker:
         read before the gate's sampled ids, which wait for its rows); if the child failed, all
         of ``constrained`` (the gate's constrained sequences) fail."""
         try:
-            return self.process.gate_answer(gate)
+            return self.process.answer_of(("gate", gate))
         except GrammarProcessError as e:
             return {seq_id: str(e) for seq_id in constrained}
 
