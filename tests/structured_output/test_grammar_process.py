@@ -149,66 +149,43 @@ def test_a_dead_grammar_process_fails_only_constrained_requests(request, device)
         engine.shutdown()
 
 
-def _answers_with_abort(request, abort: bool) -> dict:
-    """The "json" and "plain" answers of a gated run, "json-2" aborted mid-answer if ``abort``."""
-    engine = _engine(request, True)
-    try:
-        aborted = []
-
-        def abort_once(engine: LLMEngine) -> None:
-            running = engine.cores[0].scheduler.requests.get("json-2")
-            if abort and not aborted and running and running.num_output_tokens >= 4:
-                engine.abort_request(["json-2"])
-                aborted.append(True)
-
-        final = _run(engine, _requests(engine), abort_once)
-        assert _worker(engine).gates_sent > 0
-        assert engine.structured_output_stats()["live_grammar_states"] == 0
-        if abort:
-            assert aborted and final["json-2"].finish_reason == "abort"
-        return {rid: final[rid].output_token_ids for rid in ("json", "plain")}
-    finally:
-        engine.shutdown()
-
-
-def test_an_abort_while_its_gate_is_in_flight(request):
-    """With gates (a grammar process) a release travels behind the gates already sent: aborting
-    a constrained request mid-answer leaves the other requests' answers as they are without the
-    abort, and no grammar state behind."""
-    assert _answers_with_abort(request, True) == _answers_with_abort(request, False)
-
-
-def _late_arrival(request, grammar_process: bool, monkeypatch) -> tuple[dict, list]:
-    """Answers of a run where a constrained request arrives while the others decode; with a
-    grammar process, the prepares sent without waiting (the gates of running steps in flight)."""
+def _abort_and_arrival(request, grammar_process: bool, monkeypatch) -> tuple[dict, list]:
+    """A run in which, while the others decode, "json-2" is aborted mid-answer and a constrained
+    request "late" arrives: every answer, and (with a grammar process) the messages sent to it
+    without waiting."""
     engine = _engine(request, grammar_process)
     sent: list[str] = []
     try:
         requests = _requests(engine)
-        late = {"late": requests.pop("json-2")}
+        late = [requests["json"]]
 
-        def arrive(engine: LLMEngine) -> None:
+        def abort_and_add(engine: LLMEngine) -> None:
             process = _worker(engine).process
             if process is not None and not sent:
                 send = process.send
                 monkeypatch.setattr(process, "send", lambda m, *a: sent.append(m) or send(m, *a))
                 sent.append("spy")
-            running = engine.cores[0].scheduler.requests.get("json")
-            if late and running is not None and running.num_output_tokens >= 3:
-                engine.add_request("late", *late.pop("late"))
+            running = engine.cores[0].scheduler.requests.get("json-2")
+            if late and running is not None and running.num_output_tokens >= 4:
+                engine.abort_request(["json-2"])
+                engine.add_request("late", *late.pop())
 
-        final = _run(engine, requests, arrive)
+        final = _run(engine, requests, abort_and_add)
+        assert not late and final["json-2"].finish_reason == "abort"
+        assert engine.structured_output_stats()["live_grammar_states"] == 0
+        assert (_worker(engine).gates_sent > 0) == grammar_process
         return {rid: (o.output_token_ids, o.error) for rid, o in final.items()}, sent
     finally:
         engine.shutdown()
 
 
-def test_a_request_arriving_mid_run_binds_without_waiting(request, monkeypatch):
-    """While gates are in flight a new request's grammar is bound through a prepare sent
-    without waiting (the engine thread is not held for a step); it is answered at a later poll
-    and the request's answer is the one it gets in the rank's process."""
-    answers, sent = _late_arrival(request, True, monkeypatch)
+def test_an_abort_and_an_arrival_while_gates_are_in_flight(request, monkeypatch):
+    """With gates in flight, a release travels behind them (the aborted request's state goes,
+    the others' answers stay those of the rank's process), and a new request's grammar is bound
+    through a prepare sent without waiting (the engine thread is not held for a step), answered
+    at a later poll: its answer is the one it gets in the rank's process."""
+    answers, sent = _abort_and_arrival(request, True, monkeypatch)
     assert "prepare" in sent
-    reference, _ = _late_arrival(request, False, monkeypatch)
+    reference, _ = _abort_and_arrival(request, False, monkeypatch)
     assert answers == reference
-    assert answers["late"][1] is None and len(answers["late"][0]) > 0
+    assert answers["late"][1] is None and answers["late"][0] == answers["json"][0]
