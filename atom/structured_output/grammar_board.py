@@ -46,7 +46,7 @@ def _layout(max_rows: int, num_words: int) -> tuple[int, int, int]:
     """Bytes of the ring, of an area's mask rows, and of an area (rows, then row index); each
     section starts on a 64-byte boundary after the counters."""
     rows = _aligned(max_rows * num_words * 4)
-    return _aligned(RING_SLOTS * max_rows * 4), rows, rows + _aligned(max_rows * 4)
+    return _aligned(RING_SLOTS * max_rows * 4), rows, rows + _aligned((max_rows + 1) * 4)
 
 
 class GrammarBoard:
@@ -64,7 +64,8 @@ class GrammarBoard:
         for k in range(2):
             start = _FLAG_BYTES + ring + k * area
             rows = raw[start : start + max_rows * num_words * 4].view(torch.int32)
-            index = raw[start + rows_bytes : start + rows_bytes + max_rows * 4].view(torch.int32)
+            index_end = start + rows_bytes + (max_rows + 1) * 4
+            index = raw[start + rows_bytes : index_end].view(torch.int32)
             self._areas.append((rows.view(max_rows, num_words), index))
 
     @classmethod
@@ -88,7 +89,9 @@ class GrammarBoard:
         return self._areas[gate % 2][0]
 
     def row_index(self, gate: int) -> torch.Tensor:
-        """The logits row of each mask row of ``gate``'s area: ``[max_rows]`` int32."""
+        """``[max_rows + 1]`` int32 of ``gate``'s area: the logits row of each mask row, then
+        the stamp: the gate whose rows the area holds, written last. A gate released without
+        its rows (a dead child) finds an older stamp, and its rows are not applied."""
         return self._areas[gate % 2][1]
 
     def tokens(self, gate: int) -> torch.Tensor:

@@ -293,9 +293,10 @@ class _Grammars:
             filled = fill_rows(self.manager, lambda n: self._rows(gate, n), jobs)
             masked = set(filled.logits_rows)
             unmasked = [job[3] for job in jobs if job[3] not in masked]
-            rows, index, n = board.rows(gate), board.row_index(gate), filled.num_rows
+            rows, index, n = board.rows(gate), board.row_index(gate).numpy(), filled.num_rows
             rows[n : n + len(unmasked)] = -1
-            index.numpy()[: n + len(unmasked)] = filled.logits_rows + unmasked
+            index[: n + len(unmasked)] = filled.logits_rows + unmasked
+            index[-1] = gate  # the stamp, last: the area holds this gate's rows
             return filled.errors
         finally:
             board.set(DONE, gate)

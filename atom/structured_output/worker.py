@@ -350,16 +350,21 @@ class StructuredOutputWorker:
         if self.device.type != "cuda":
             with contextlib.suppress(GrammarBoardTimeout):  # gate_errors reports the child
                 board.wait(DONE, gate, self.config.worker_timeout_s, process.alive)
-                apply_token_bitmask_inplace(logits, board.rows(gate)[:n], board.row_index(gate)[:n])
+                index = board.row_index(gate)
+                if int(index[-1]) == gate:  # not released without its rows
+                    apply_token_bitmask_inplace(logits, board.rows(gate)[:n], index[:n])
             board.set(COPIED, gate)
             return gate
         stream = torch.cuda.current_stream(self.device)
         stream_wait(stream, board.address(DONE), gate)
-        rows, index = self._gate_rows[:n], self._gate_index[:n]
+        rows, index = self._gate_rows[:n], self._gate_index
         rows.copy_(board.rows(gate)[:n], non_blocking=True)
-        index.copy_(board.row_index(gate)[:n], non_blocking=True)
+        index.copy_(board.row_index(gate), non_blocking=True)
         stream_write(stream, board.address(COPIED), gate)
-        apply_token_bitmask_inplace(logits, rows, index)
+        # Rows of a gate released without them (a dead child) are stale, maybe another step's,
+        # whose row index may point at an unconstrained neighbour: they then allow everything.
+        rows.masked_fill_(index[-1:].ne(gate).unsqueeze(1), -1)
+        apply_token_bitmask_inplace(logits, rows, index[:n])
         return gate
 
     def publish(self, gate: int, token_ids: torch.Tensor) -> None:

@@ -33,9 +33,11 @@ def test_two_mappings_share_counters_rows_and_ring(boards):
     assert [rank.get(f) for f in (TOKENS, DONE, COPIED)] == [0, 0, 0]
     child.rows(3)[2] = 7
     child.row_index(3)[:2] = 4
+    child.row_index(3)[-1] = 3  # the stamp, after the 8 rows' indices
     rank.tokens(6)[1] = 42
     assert int(rank.rows(1)[2, 0]) == 7 and int(rank.rows(2)[2, 0]) == 0  # gate 3: area 1
-    assert rank.row_index(5)[:2].tolist() == [4, 4]
+    assert rank.row_index(5)[:2].tolist() == [4, 4] and int(rank.row_index(5)[8]) == 3
+    assert int(rank.row_index(4)[8]) == 0
     assert int(child.tokens(2)[1]) == 42  # gate 6 and gate 2 share a ring slot of 4
     child.set(DONE, 5)
     child.set(DONE, 3)  # never lowered
