@@ -258,6 +258,7 @@ class _Grammars:
         self.board, self._views = GrammarBoard(path, max_rows, num_words), {}
 
     def _rows(self, area: int, n: int) -> torch.Tensor:
+        """The first ``n`` rows of area 0 or 1, one view kept per (area, n)."""
         assert self.board is not None, "map_board first"
         if n > self.board.max_rows:
             raise IndexError(f"{n} mask rows exceed the {self.board.max_rows} mapped")
@@ -290,7 +291,7 @@ class _Grammars:
             waited = time.perf_counter()
             board.wait(COPIED, gate - 2, timeout_s)
             self._waited_s += time.perf_counter() - waited
-            filled = fill_rows(self.manager, lambda n: self._rows(gate, n), jobs)
+            filled = fill_rows(self.manager, lambda n: self._rows(gate % 2, n), jobs)
             masked = set(filled.logits_rows)
             unmasked = [job[3] for job in jobs if job[3] not in masked]
             rows, index, n = board.rows(gate), board.row_index(gate).numpy(), filled.num_rows
