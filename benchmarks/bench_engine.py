@@ -264,8 +264,6 @@ def decode_sweep(args) -> None:
     """
     import gc
 
-    from transformers import AutoModelForCausalLM
-
     Path(args.out).mkdir(parents=True, exist_ok=True)
     folder = make_random_llama_1b(Path(args.model_dir), args.device)
     wbytes = weight_bytes_per_step(folder)
@@ -295,6 +293,59 @@ def decode_sweep(args) -> None:
         if args.device == "cuda":
             torch.cuda.empty_cache()
 
+    for r in rows.values():
+        r["floor_step_ms"] = floor_s * 1e3
+        r["floor_tok_s"] = r["batch"] / floor_s
+        r["kv_bytes_per_step_mean"] = r["batch"] * (prompt_len + n_tok / 2) * kv_per_token
+        r["floor_with_kv_tok_s"] = r["batch"] / ((wbytes + r["kv_bytes_per_step_mean"]) / bw)
+        r["atom_step_ms"] = r["atom_decode_s"] / n_tok * 1e3
+    if not args.no_transformers:
+        transformers_decode(args, folder, rows, prompts_for)
+    result = {
+        "model": "random-weight Llama-3.2-1B shape, DeepSeek tokenizer",
+        "shape": LLAMA_1B_SHAPE,
+        "tokenizer_vocab": tokenizer_vocab,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "dtype": "bfloat16",
+        "prompt_len": prompt_len,
+        "decode_tokens": n_tok,
+        "variants": {name: VARIANTS[name] for name in args.variants},
+        "weight_bytes_per_step": wbytes,
+        "copy_bandwidth_Bps": bw,
+        "rows": [rows[b] for b in args.decode_batches],
+    }
+    print(
+        f"\nweights {wbytes / 1e9:.2f} GB/step, copy {bw / 1e12:.2f} TB/s, "
+        f"floor {floor_s * 1e3:.3f} ms/step; prompt {prompt_len}, {n_tok} decode tokens"
+    )
+    print(
+        f"{'B':>4} {'atom tok/s':>11} {'hf tok/s':>10} {'floor tok/s':>12} {'+kv floor':>10} "
+        f"{'atom ms/step':>13} {'hf ms/step':>11} {'floor ms':>9}"
+    )
+    nan = float("nan")
+    for r in result["rows"]:
+        print(
+            f"{r['batch']:>4} {r['atom_tok_s']:>11.0f} {r.get('transformers_tok_s', nan):>10.0f} "
+            f"{r['floor_tok_s']:>12.0f} {r['floor_with_kv_tok_s']:>10.0f} "
+            f"{r['atom_step_ms']:>13.2f} {r.get('transformers_step_ms', nan):>11.2f} "
+            f"{r['floor_step_ms']:>9.3f}"
+        )
+    print("ATOM ms/step by variant: " + ", ".join(args.variants))
+    for r in result["rows"]:
+        cells = " ".join(f"{r[f'atom_{name}_step_ms']:>8.2f}" for name in args.variants)
+        print(f"{r['batch']:>4} {cells}")
+    out = Path(args.out)
+    stem = f"bench_engine_{args.device}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    plot_decode(result, out / f"{stem}.png")
+    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
+
+
+def transformers_decode(args, folder: Path, rows: dict, prompts_for) -> None:
+    """transformers ``generate`` decode time per batch of ``rows``, measured as ATOM's is."""
+    from transformers import AutoModelForCausalLM
+
+    n_tok = args.decode_tokens
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(args.device)
     model.eval()
     model.generation_config.eos_token_id = None
@@ -327,52 +378,8 @@ def decode_sweep(args) -> None:
         r = rows[b]
         r["transformers_decode_s"] = tn - t1
         r["transformers_tok_s"] = b * n_tok / (tn - t1)
-        r["floor_step_ms"] = floor_s * 1e3
-        r["floor_tok_s"] = b / floor_s
-        ctx = prompt_len + n_tok / 2
-        r["kv_bytes_per_step_mean"] = b * ctx * kv_per_token
-        r["floor_with_kv_tok_s"] = b / ((wbytes + r["kv_bytes_per_step_mean"]) / bw)
-        r["atom_step_ms"] = r["atom_decode_s"] / n_tok * 1e3
         r["transformers_step_ms"] = r["transformers_decode_s"] / n_tok * 1e3
         print(f"transformers B={b}: {r['transformers_tok_s']:.0f} tok/s", flush=True)
-    model = None
-    result = {
-        "model": "random-weight Llama-3.2-1B shape, DeepSeek tokenizer",
-        "shape": LLAMA_1B_SHAPE,
-        "tokenizer_vocab": tokenizer_vocab,
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "dtype": "bfloat16",
-        "prompt_len": prompt_len,
-        "decode_tokens": n_tok,
-        "variants": {name: VARIANTS[name] for name in args.variants},
-        "weight_bytes_per_step": wbytes,
-        "copy_bandwidth_Bps": bw,
-        "rows": [rows[b] for b in args.decode_batches],
-    }
-    print(
-        f"\nweights {wbytes / 1e9:.2f} GB/step, copy {bw / 1e12:.2f} TB/s, "
-        f"floor {floor_s * 1e3:.3f} ms/step; prompt {prompt_len}, {n_tok} decode tokens"
-    )
-    print(
-        f"{'B':>4} {'atom tok/s':>11} {'hf tok/s':>10} {'floor tok/s':>12} {'+kv floor':>10} "
-        f"{'atom ms/step':>13} {'hf ms/step':>11} {'floor ms':>9}"
-    )
-    for r in result["rows"]:
-        print(
-            f"{r['batch']:>4} {r['atom_tok_s']:>11.0f} {r['transformers_tok_s']:>10.0f} "
-            f"{r['floor_tok_s']:>12.0f} {r['floor_with_kv_tok_s']:>10.0f} "
-            f"{r['atom_step_ms']:>13.2f} {r['transformers_step_ms']:>11.2f} "
-            f"{r['floor_step_ms']:>9.3f}"
-        )
-    print("ATOM ms/step by variant: " + ", ".join(args.variants))
-    for r in result["rows"]:
-        cells = " ".join(f"{r[f'atom_{name}_step_ms']:>8.2f}" for name in args.variants)
-        print(f"{r['batch']:>4} {cells}")
-    out = Path(args.out)
-    stem = f"bench_engine_{args.device}"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
-    plot_decode(result, out / f"{stem}.png")
-    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
 
 
 def plot_decode(result: dict, path: Path) -> None:
@@ -387,7 +394,8 @@ def plot_decode(result: dict, path: Path) -> None:
     for name in result["variants"]:
         tok_s = [r["batch"] / r[f"atom_{name}_step_ms"] * 1e3 for r in rows]
         ax.plot(xs, tok_s, "o-", label=f"atom {name}")
-    ax.plot(xs, [r["transformers_tok_s"] for r in rows], "o-", label="transformers generate")
+    if all("transformers_tok_s" in r for r in rows):
+        ax.plot(xs, [r["transformers_tok_s"] for r in rows], "o-", label="transformers gen.")
     ax.plot(xs, [r["floor_tok_s"] for r in rows], "k--", label="weight-streaming ceiling")
     ax.plot(xs, [r["floor_with_kv_tok_s"] for r in rows], "k:", label="+ KV reads")
     ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens / s")
@@ -444,6 +452,9 @@ def main() -> None:
         help="ATOM configurations to compare in the decode sweep (the first fills atom_*)",
     )
     ap.add_argument("--profile", action="store_true", help="also write cProfile tables")
+    ap.add_argument(
+        "--no-transformers", action="store_true", help="ATOM and the floor only (A/B runs)"
+    )
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (processes)")
     ap.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas")
     args = ap.parse_args()

@@ -31,6 +31,9 @@
 #   bash benchmarks/gpu_suite.sh gates_serving (bench_serving, then the mostly-allowed
 #                                          structured-output overhead; about 6 minutes)
 #   bash benchmarks/gpu_suite.sh gates_profile (host segments of a step with gates; ~3 minutes)
+#   BASELINE=.baseline bash benchmarks/gpu_suite.sh decode_ab (the kernels' GPU tests, decode
+#                                          ms/step of another checkout's atom against this one's,
+#                                          alternated twice, then the gate operations; ~8 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -230,9 +233,24 @@ gates_profile() {  # where a constrained step's time goes with gates: the engine
         --batch-sizes 16 64 256 --schemas mostly-forbidden --steps 16 --profile-steps 2 \
         --grammar-process on --tag gates --out $out
 }
+decode_ab() {  # before/after decode: BASELINE (another checkout's folder holding its atom,
+    # carried) and this checkout, both through this bench_engine.py, alternated twice
+    step pytest_kernels 200 python3 -m pytest -q -m gpu --durations=5 tests/model_ops \
+        tests/model_engine/test_cuda_graph.py
+    for round in 1 2; do
+        for side in baseline current; do
+            local root=$PWD
+            [[ $side == baseline ]] && root=$PWD/${BASELINE:?a baseline checkout folder}
+            step engine_${side}_$round 120 env PYTHONPATH=/tmp/site:$root python3 \
+                benchmarks/bench_engine.py --device cuda --random-llama-1b --no-transformers \
+                --variants graphs-async --out $out/engine_${side}_$round
+        done
+    done
+    step gate_ops 60 python3 benchmarks/bench_gate_ops.py --out $out
+}
 gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-"${1:?bench, check, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile or final}"
+"${1:?bench, check, decode_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile or final}"
 tail -n 200 $out/summary.log

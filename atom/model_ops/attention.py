@@ -1,7 +1,8 @@
 """Paged attention over a flattened batch of sequences.
 
-New K/V rows are written into the paged cache at `slot_mapping`, then each sequence attends to
-its own blocks only. Two implementations of the same semantics:
+New K/V rows are written into the paged cache at `slot_mapping` (given the model's rotary
+embedding, the CUDA path rotates q and k in the kernel that writes the cache: one launch fewer
+per layer), then each sequence attends to its own blocks only. Two implementations of the same semantics:
 
 - CUDA: the Triton kernels of `atom.model_ops.paged_attention`, which read each sequence's
   blocks in place. Decode-only steps (`max_query_len == 1`) use the decode kernel, whose launch
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.model_ops.context import AttentionContext, get_context
+from atom.model_ops.rotary_embedding import RotaryEmbedding
 
 
 def _paged_kernels(x: torch.Tensor) -> bool:
@@ -62,11 +64,21 @@ class Attention(nn.Module):
         self.k_cache = torch.tensor([])
         self.v_cache = torch.tensor([])
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq * D]."""
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        rotary: RotaryEmbedding | None = None,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hk, D] -> [T, Hq * D]. With ``rotary``, q and k are rotated
+        at ``positions`` first (on the paged path in the kernel that writes the cache)."""
         ctx = get_context()
         if _paged_kernels(q):
-            return self._forward_paged(q, k, v, ctx)
+            return self._forward_paged(q, k, v, ctx, positions, rotary)
+        if rotary is not None:
+            q, k = rotary(positions, q, k)
         num_blocks, block_size = self.k_cache.shape[:2]
         hk, d = self.num_kv_heads, self.head_dim
         self.k_cache.view(-1, hk, d).index_copy_(0, ctx.slot_mapping, k)
@@ -90,12 +102,22 @@ class Attention(nn.Module):
         return out.index_select(0, ctx.output_index)  # [T, Hq*D] in flat row order
 
     def _forward_paged(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: AttentionContext,
+        positions: torch.Tensor | None,
+        rotary: RotaryEmbedding | None,
     ) -> torch.Tensor:
         # Imported here so that CPU runs never load triton.
         from atom.model_ops import paged_attention as pa
 
-        pa.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        if rotary is not None:
+            slots = ctx.slot_mapping
+            q = rotary.rotate_and_store_kv(positions, q, k, v, self.k_cache, self.v_cache, slots)
+        else:
+            pa.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         if ctx.max_query_len == 1:
             out = pa.paged_decode_attention(
                 q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale

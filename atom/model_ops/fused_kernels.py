@@ -1,5 +1,6 @@
-"""Fused elementwise kernels in Triton: RMSNorm (+ residual add), neox rotary on q and k, and
-SiLU-and-mul, one launch each.
+"""Fused elementwise kernels in Triton: RMSNorm (+ residual add), neox rotary on q and k (alone,
+or with the paged KV-cache write of k and v: one launch fewer per layer), and SiLU-and-mul, one
+launch each.
 
 At decode batch sizes these ops move a few kilobytes each, so the GPU time of their PyTorch
 versions is launch latency: RMSNorm alone is about six kernels. Each kernel here reads its
@@ -37,7 +38,13 @@ except ImportError:  # CPU-only installs never call the kernels
     triton = None
     tl = None
 
-__all__ = ["fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = [
+    "fused_add_rms_norm",
+    "rms_norm",
+    "rotary_embedding",
+    "rotary_embedding_store_kv",
+    "silu_and_mul",
+]
 
 _NORM_TILE = 2048  # elements per RMSNorm program: several short rows (per-head norms) share one
 _SILU_BLOCK = 1024  # output columns per SiLU-and-mul program
@@ -85,20 +92,34 @@ if triton is not None:
 
     @triton.jit
     def _rotate_heads(
-        src_ptr, dst_ptr, token, stride_t, stride_h, cos, sin,
+        src_ptr, dst_row, token, stride_t, stride_h, cos, sin, stored,
         HEADS: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     ):  # fmt: skip
-        # All heads of one token: [H_PAD, HALF_PAD] tiles of each half; dst is contiguous.
+        # All heads of one token: [H_PAD, HALF_PAD] tiles of each half; the first ``stored``
+        # heads (all or none) are stored at dst_row, the token's heads side by side.
         h = tl.arange(0, H_PAD)[:, None]
         d = tl.arange(0, HALF_PAD)[None, :]
         mask = (h < HEADS) & (d < HALF)
         src = src_ptr + token * stride_t + h * stride_h + d
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        dst = dst_ptr + (token * HEADS + h) * (2 * HALF) + d
-        out_ty = dst_ptr.dtype.element_ty
-        tl.store(dst, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
-        tl.store(dst + HALF, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+        dst = dst_row + h * (2 * HALF) + d
+        out_ty = dst_row.dtype.element_ty
+        out_mask = (h < stored) & (d < HALF)
+        tl.store(dst, (x1 * cos - x2 * sin).to(out_ty), mask=out_mask)
+        tl.store(dst + HALF, (x2 * cos + x1 * sin).to(out_ty), mask=out_mask)
+
+    @triton.jit
+    def _cos_sin(
+        pos_ptr, cache_ptr, token, stride_cache, HALF: tl.constexpr, HALF_PAD: tl.constexpr
+    ):
+        # cos and sin of the token's position, as [1, HALF_PAD] fp32 rows.
+        pos = tl.load(pos_ptr + token).to(tl.int64)
+        d = tl.arange(0, HALF_PAD)
+        row = cache_ptr + pos * stride_cache + d
+        cos = tl.load(row, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+        sin = tl.load(row + HALF, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+        return cos, sin
 
     @triton.jit
     def _rotary_kernel(
@@ -109,15 +130,35 @@ if triton is not None:
     ):  # fmt: skip
         # Grid: (token,). cos/sin of the token's position are loaded once for q and k.
         token = tl.program_id(0).to(tl.int64)
-        pos = tl.load(pos_ptr + token).to(tl.int64)
-        d = tl.arange(0, HALF_PAD)
-        row = cache_ptr + pos * stride_cache + d
-        cos = tl.load(row, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
-        sin = tl.load(row + HALF, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
-        _rotate_heads(q_ptr, q_out_ptr, token, stride_qt, stride_qh, cos, sin,
-                      HQ, HQ_PAD, HALF, HALF_PAD)  # fmt: skip
-        _rotate_heads(k_ptr, k_out_ptr, token, stride_kt, stride_kh, cos, sin,
-                      HK, HK_PAD, HALF, HALF_PAD)  # fmt: skip
+        cos, sin = _cos_sin(pos_ptr, cache_ptr, token, stride_cache, HALF, HALF_PAD)
+        _rotate_heads(q_ptr, q_out_ptr + token * (HQ * 2 * HALF), token, stride_qt, stride_qh,
+                      cos, sin, HQ, HQ, HQ_PAD, HALF, HALF_PAD)  # fmt: skip
+        _rotate_heads(k_ptr, k_out_ptr + token * (HK * 2 * HALF), token, stride_kt, stride_kh,
+                      cos, sin, HK, HK, HK_PAD, HALF, HALF_PAD)  # fmt: skip
+
+    @triton.jit
+    def _rotary_store_kv_kernel(
+        q_ptr, k_ptr, v_ptr, q_out_ptr, pos_ptr, cache_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_cache,
+        stride_cb, stride_ct, page_size,
+        HQ: tl.constexpr, HQ_PAD: tl.constexpr, HK: tl.constexpr, HK_PAD: tl.constexpr,
+        HALF: tl.constexpr, HALF_PAD: tl.constexpr, KV_PAD: tl.constexpr,
+    ):  # fmt: skip
+        # Grid: (token,). q rotated into q_out; k rotated and v copied straight into the paged
+        # cache at the token's slot (a negative slot, a padding row, writes nothing there).
+        token = tl.program_id(0).to(tl.int64)
+        cos, sin = _cos_sin(pos_ptr, cache_ptr, token, stride_cache, HALF, HALF_PAD)
+        _rotate_heads(q_ptr, q_out_ptr + token * (HQ * 2 * HALF), token, stride_qt, stride_qh,
+                      cos, sin, HQ, HQ, HQ_PAD, HALF, HALF_PAD)  # fmt: skip
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        write = slot >= 0
+        slot = tl.maximum(slot, 0)
+        at = (slot // page_size) * stride_cb + (slot % page_size) * stride_ct
+        _rotate_heads(k_ptr, k_cache_ptr + at, token, stride_kt, stride_kh,
+                      cos, sin, tl.where(write, HK, 0), HK, HK_PAD, HALF, HALF_PAD)  # fmt: skip
+        i = tl.arange(0, KV_PAD)
+        ok = i < tl.where(write, HK * 2 * HALF, 0)
+        tl.store(v_cache_ptr + at + i, tl.load(v_ptr + token * stride_vt + i, mask=ok), mask=ok)
 
     @triton.jit
     def _silu_and_mul_kernel(
@@ -224,6 +265,42 @@ def rotary_embedding(
         num_warps=_warps(d * max(hq, hk)), enable_fp_fusion=False,
     )  # fmt: skip
     return q_out, k_out
+
+
+def rotary_embedding_store_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """``rotary_embedding`` of q and k and the paged cache write of the rotated k and of v
+    [T, Hk, D] (heads side by side) at ``slot_mapping`` [T] (negative: skipped) in one launch;
+    -> the new contiguous rotated q. The caches are [blocks, block_size, Hk, D], one layout."""
+    _check_rotary(positions, q, k, cos_sin_cache)
+    tokens, hq, d = q.shape
+    hk = k.size(1)
+    if v.shape != k.shape or v.stride(2) != 1 or v.stride(1) != d:
+        raise ValueError("v must be [T, Hk, D] like k, its heads side by side")
+    if k_cache.stride() != v_cache.stride() or k_cache.shape[2:] != (hk, d):
+        raise ValueError("k_cache and v_cache must share a [blocks, block_size, Hk, D] layout")
+    if k_cache.stride()[2:] != (d, 1) or k_cache.dtype != k.dtype or v_cache.dtype != v.dtype:
+        raise ValueError("cache rows must hold their heads side by side, in k/v's dtype")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return q_out
+    half = d // 2
+    _rotary_store_kv_kernel[(tokens,)](
+        q, k, v, q_out, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.size(1),
+        hq, _pow2(hq), hk, _pow2(hk), half, _pow2(half), _pow2(hk * d),
+        num_warps=_warps(d * max(hq, hk)), enable_fp_fusion=False,
+    )  # fmt: skip
+    return q_out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

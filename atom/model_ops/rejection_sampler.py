@@ -32,7 +32,7 @@ from itertools import accumulate
 
 import torch
 
-from atom.model_ops.sampler import SamplingTensors, _apply_top_k_top_p
+from atom.model_ops.sampler import SamplingTensors, _apply_top_k_top_p, argmax_rows
 
 
 @dataclass
@@ -133,7 +133,7 @@ def rejection_sample(
     layout = _layout(draft_token_ids, logits.size(0), logits.device)
     if draft_probs is not None and draft_probs.shape != (len(layout.drafts), logits.size(1)):
         raise ValueError(f"draft_probs {tuple(draft_probs.shape)} for {len(layout.drafts)} drafts")
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = argmax_rows(logits)
     probs = None if sampling.temperatures is None else _target_probs(logits, layout, sampling)
     if probs is None:
         accepted = greedy_ids[layout.draft_rows] == layout.drafts
@@ -147,7 +147,7 @@ def rejection_sample(
     final = greedy_ids[final_rows]
     if probs is not None:
         residual = _residual(probs[final_rows], num_accepted, layout, draft_probs)
-        sampled = residual.div(noise).argmax(dim=-1)
+        sampled = argmax_rows(residual.div(noise))
         final = torch.where(sampling.temperatures == 0, final, sampled)
     return Verification(_emitted(layout, num_accepted, final), num_accepted)
 

@@ -52,6 +52,24 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+    def rotate_and_store_kv(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """CUDA paged attention: rotate q and k and write the rotated k and v into the caches
+        at ``slot_mapping`` in one kernel; -> the rotated q."""
+        from atom.model_ops import fused_kernels
+
+        return fused_kernels.rotary_embedding_store_kv(
+            positions, q, k, v, self.cos_sin_cache, k_cache, v_cache, slot_mapping
+        )
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)

@@ -26,6 +26,16 @@ class SamplingTensors:
     min_ps: torch.Tensor | None = None  # [N] float (0.0 where disabled); None: no row uses it
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of [N, V]: on CUDA in two short launches
+    (``triton_argmax``; torch's reduces a row in one block, 36 µs at batch 1 on the H200)."""
+    if logits.is_cuda:
+        from atom.model_ops.triton_argmax import argmax_rows_triton  # CPU never loads triton
+
+        return argmax_rows_triton(logits)
+    return logits.argmax(dim=-1)
+
+
 @dataclass
 class Logprobs:
     """Raw-distribution logprobs of the sampled tokens and the top candidates."""
@@ -45,7 +55,7 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         """logits [N, V] in any float dtype (possibly masked) -> token ids [N]; sampling with a
         temperature runs in float32."""
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = argmax_rows(logits)
         if t.temperatures is None:
             return greedy_ids
         greedy = t.temperatures == 0
@@ -57,7 +67,7 @@ class Sampler(nn.Module):
         for row, gen in enumerate(t.generators):  # seeded rows: their own stream, as before
             if gen is not None:
                 noise[row].exponential_(generator=gen)
-        sampled = probs.div(noise).argmax(dim=-1)
+        sampled = argmax_rows(probs.div(noise))
         return torch.where(greedy, greedy_ids, sampled)
 
 

@@ -33,6 +33,7 @@ from atom.model_engine.cuda_graph import DecodeGraphs
 from atom.model_loader.weights import build_model, load_hf_config
 from atom.model_ops.attention import prepare_attention
 from atom.model_ops.context import AttentionContext, set_context
+from atom.model_ops.sampler import argmax_rows
 from atom.models.llama import head_dim_of
 from atom.spec_decode.proposer import DraftRequest, Proposal
 
@@ -169,7 +170,7 @@ class DraftModelProposer:
                 block_tables,
             )
             logits = self.model.compute_logits(hidden[: len(requests)])
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
             drafted.append(tokens)
         table = torch.stack(drafted, dim=1).tolist()  # the one host read
         return [row[: r.max_drafts] for row, r in zip(table, requests, strict=True)]
@@ -198,7 +199,7 @@ class DraftModelProposer:
             size,
         )
         last = self._pinned([e - 1 for e in ends], torch.long).to(self.device, non_blocking=True)
-        return self.model.compute_logits(hidden.index_select(0, last)).argmax(dim=-1)
+        return argmax_rows(self.model.compute_logits(hidden.index_select(0, last)))
 
     def _rows(
         self, requests: list[DraftRequest], chunks: list[tuple[int, list[int]]]
@@ -268,4 +269,4 @@ class DraftModelProposer:
             set_context(None)
         last = torch.tensor([n - 1 for n in accumulate(query_lens)], dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden.index_select(0, last))
-        return logits.argmax(dim=-1)
+        return argmax_rows(logits)

@@ -16,6 +16,7 @@ import textwrap
 
 import pytest
 import torch
+from triton_shims import BF16_ROUND_SHIM
 
 # Shared by the interpreted and the CUDA checks; DEVICE is defined before it runs.
 CHECK = textwrap.dedent(
@@ -119,6 +120,36 @@ CHECK = textwrap.dedent(
         assert torch.equal(qkv, before)
 
 
+    def check_rotary_store_kv(tokens, hq, hk, d, dtype):
+        # Rotary fused with the paged cache write: q as the PyTorch rotary gives it, the cache
+        # rows at the tokens' slots hold its rotated k and v, a slot of -1 writes nothing.
+        from atom.model_ops.fused_kernels import rotary_embedding_store_kv
+
+        rope = RotaryEmbedding(types.SimpleNamespace(rope_theta=10000.0), d, 300).to(DEVICE)
+        qkv = rand(tokens, (hq + 2 * hk) * d, dtype=dtype, scale=2)
+        q, k, v = (x.view(tokens, -1, d) for x in qkv.split([hq * d, hk * d, hk * d], dim=1))
+        positions = torch.randint(0, 300, (tokens,), generator=g).to(DEVICE)
+        slots = torch.randperm(8 * 8, generator=g)[:tokens]
+        slots[0] = -1
+        k_cache = torch.full((8, 8, hk, d), 7.0, dtype=dtype, device=DEVICE)
+        v_cache = torch.full_like(k_cache, 7.0)
+        rotary_embedding._use_kernels = lambda x: False
+        want_q, want_k = rope(positions, q, k)
+        rotary_embedding._use_kernels = lambda x: x.is_cuda
+        got_q = rotary_embedding_store_kv(
+            positions, q, k, v, rope.cos_sin_cache, k_cache, v_cache, slots.to(DEVICE)
+        )
+        what = ("rotary store", tokens, hq, hk, d, dtype)
+        close(got_q, want_q, what, exact=True)
+        written = slots >= 0
+        flat_k, flat_v = k_cache.view(-1, hk, d), v_cache.view(-1, hk, d)
+        close(flat_k[slots[written]], want_k[written.to(DEVICE)], what, exact=True)
+        close(flat_v[slots[written]], v[written.to(DEVICE)], what, exact=True)
+        untouched = torch.ones(flat_k.size(0), dtype=torch.bool)
+        untouched[slots[written]] = False
+        assert bool((flat_k[untouched] == 7).all()) and bool((flat_v[untouched] == 7).all())
+
+
     def check_silu(tokens, width, dtype):
         # The merged gate/up output; a column slice so that rows are strided.
         x = rand(tokens, 2 * width + 3, dtype=dtype, scale=3)[:, : 2 * width]
@@ -144,6 +175,8 @@ CHECK = textwrap.dedent(
                 for views in (True, False):
                     check_rotary(tokens, hq, hk, d, dtype, views)
                     cases += 1
+                check_rotary_store_kv(tokens, hq, hk, d, dtype)
+                cases += 1
             for width in (1, 100, 1500):
                 check_silu(tokens, width, dtype)
                 cases += 1
@@ -204,28 +237,6 @@ MODEL = textwrap.dedent(
     """
 )
 
-# The interpreter rounds float32 -> bfloat16 toward zero, where the GPU (and PyTorch) round to
-# nearest even; give it PyTorch's conversion so that bfloat16 results can be compared exactly.
-BF16_ROUND_SHIM = textwrap.dedent(
-    """
-    import numpy as np
-    import torch
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    _cast = interpreter.InterpreterBuilder.cast_impl
-
-    def _cast_rtne(self, src, dst_type):
-        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
-            return _cast(self, src, dst_type)
-        wide = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
-        bits = wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        return interpreter.TensorHandle(bits, tl.bfloat16)
-
-    interpreter.InterpreterBuilder.cast_impl = _cast_rtne
-    """
-)
-
 
 def _interpreted(code: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_INTERPRET": "1"}  # must be set before triton is imported
@@ -242,7 +253,7 @@ def test_kernels_match_reference_interpreted() -> None:
     pytest.importorskip("triton")
     result = _interpreted(CHECK)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "cases 132" in result.stdout
+    assert "cases 156" in result.stdout
 
 
 def test_model_matches_reference_interpreted() -> None:

@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 import torch
+from triton_shims import BF16_DOT_SHIM, BF16_ROUND_SHIM
 
 from atom.model_ops import attention
 from atom.model_ops.context import AttentionContext, set_context
@@ -21,8 +22,11 @@ from atom.model_ops.paged_attention import paged_attention_reference
 # Shared by the interpreted and the CUDA checks; DEVICE is defined before it runs.
 CHECK = textwrap.dedent(
     """
+    import types
+
     import torch
     from atom.model_ops import attention
+    from atom.model_ops.rotary_embedding import RotaryEmbedding
     from atom.model_ops.context import AttentionContext, set_context
     from atom.model_ops.paged_attention import (
         paged_attention_reference as ref, paged_decode_attention, paged_prefill_attention,
@@ -84,15 +88,16 @@ CHECK = textwrap.dedent(
         assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
 
 
-    def run_module(layer, q, k, v, ctx, kernels):
+    def run_module(layer, q, k, v, ctx, kernels, rotary):
         attention._paged_kernels = lambda x: kernels
         attention.prepare_attention(ctx, layer.k_cache.size(1))
         set_context(ctx)
-        return layer(q, k, v)
+        return layer(q, k, v, *rotary)
 
 
-    def check_module(dtype, ctx_lens, q_lens):
-        # Attention.forward through the kernels vs its SDPA path, cache writes included.
+    def check_module(dtype, ctx_lens, q_lens, rotary):
+        # Attention.forward through the kernels vs its SDPA path, cache writes included; with
+        # the rotary, fused with the cache write on the kernel path.
         q, kc, vc, tables, lens, cu, q_lens_t = batch(ctx_lens, q_lens, 4, 2, 16, dtype, bad=0)
         k = torch.randn(q.size(0), 2, 16, generator=g).to(dtype).to(DEVICE)
         v = torch.randn(q.size(0), 2, 16, generator=g).to(dtype).to(DEVICE)
@@ -101,15 +106,18 @@ CHECK = textwrap.dedent(
         slots = tables[seq, pos // 16].long() * 16 + pos % 16
         ctx = AttentionContext(slots, tables.long(), lens.long(), q_lens_t.to(DEVICE),
                                cu.long(), max(q_lens))
+        rope = RotaryEmbedding(types.SimpleNamespace(rope_theta=10000.0), 16, 256).to(DEVICE)
+        rotary = (pos, rope) if rotary else ()
         outs, caches = [], []
         for kernels in (False, True):
             layer = attention.Attention(4, 16, 0.25, 2)
             layer.k_cache, layer.v_cache = kc.clone(), vc.clone()
-            outs.append(run_module(layer, q, k, v, AttentionContext(**vars(ctx)), kernels))
+            step = AttentionContext(**vars(ctx))
+            outs.append(run_module(layer, q, k, v, step, kernels, rotary))
             caches.append((layer.k_cache, layer.v_cache))
         attention._paged_kernels = lambda x: x.is_cuda
         close(outs[1], outs[0].float(), dtype, ("module", q_lens))
-        assert all(torch.equal(a, b) for a, b in zip(caches[0], caches[1]))
+        assert all(torch.equal(a, b) for a, b in zip(caches[0], caches[1])), (dtype, rotary)
 
 
     cases = 0
@@ -123,29 +131,11 @@ CHECK = textwrap.dedent(
             check_prefill(hq, hk, d, dtype, [33, 16, 70], [33, 16, 70])  # whole prompts
             check_prefill(hq, hk, d, dtype, [80, 40, 17, 0, 3], [20, 1, 17, 0, 2])  # mixed
             cases += 2
-        check_module(dtype, [80, 40, 17], [20, 1, 17])
-        check_module(dtype, [9, 32, 1], [1, 1, 1])
-        cases += 2
+        for rotary in (False, True):
+            check_module(dtype, [80, 40, 17], [20, 1, 17], rotary)
+            check_module(dtype, [9, 32, 1], [1, 1, 1], rotary)
+            cases += 2
     print("cases", cases)
-    """
-)
-
-# triton-lang/triton#11584: the interpreter's tl.dot multiplies bfloat16 bit patterns (it keeps
-# bfloat16 as uint16); widen such operands to float32 first, as the GPU's MMA does.
-BF16_DOT_SHIM = textwrap.dedent(
-    """
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    _dot = interpreter.InterpreterBuilder.create_dot
-
-    def _wide(x):
-        if x.dtype.scalar != tl.bfloat16:
-            return x
-        return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    interpreter.InterpreterBuilder.create_dot = lambda self, a, b, *rest: _dot(self, _wide(a), _wide(b), *rest)
     """
 )
 
@@ -177,12 +167,12 @@ def test_reference_matches_cpu_attention() -> None:
 def test_kernels_match_reference_interpreted() -> None:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}  # must be set before triton is imported
-    code = BF16_DOT_SHIM + "DEVICE = 'cpu'\n" + CHECK
+    code = BF16_DOT_SHIM + BF16_ROUND_SHIM + "DEVICE = 'cpu'\n" + CHECK
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "cases 42" in result.stdout
+    assert "cases 48" in result.stdout
 
 
 @pytest.mark.gpu
