@@ -3,13 +3,13 @@ above everything, a row of -inf at 0; under the interpreter on CPU and on CUDA."
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+from triton_interpreter import run_interpreted
 
 CHECK = textwrap.dedent(
     """
@@ -40,14 +40,7 @@ CHECK = textwrap.dedent(
 
 def test_argmax_matches_torch_interpreted() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # must be set before triton is imported
-    result = subprocess.run(
-        [sys.executable, "-c", "DEVICE = 'cpu'\n" + CHECK],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_interpreted(CHECK)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "cases 12" in result.stdout
 

@@ -9,14 +9,13 @@ residual sum, must be bit-identical.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
-from triton_shims import BF16_ROUND_SHIM
+from triton_interpreter import run_interpreted
 
 # Shared by the interpreted and the CUDA checks; DEVICE is defined before it runs.
 CHECK = textwrap.dedent(
@@ -238,27 +237,16 @@ MODEL = textwrap.dedent(
 )
 
 
-def _interpreted(code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # must be set before triton is imported
-    return subprocess.run(
-        [sys.executable, "-c", BF16_ROUND_SHIM + "DEVICE = 'cpu'\n" + code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 def test_kernels_match_reference_interpreted() -> None:
     pytest.importorskip("triton")
-    result = _interpreted(CHECK)
+    result = run_interpreted(CHECK)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "cases 156" in result.stdout
 
 
 def test_model_matches_reference_interpreted() -> None:
     pytest.importorskip("triton")
-    result = _interpreted(CHECK.split("cases = 0")[0] + "cases = 0\n" + MODEL)
+    result = run_interpreted(CHECK.split("cases = 0")[0] + "cases = 0\n" + MODEL)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "model cases 4" in result.stdout
 

@@ -6,14 +6,11 @@ kernels, the oracle and the CPU engine all agree on one meaning.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
-from triton_shims import BF16_DOT_SHIM, BF16_ROUND_SHIM
+from triton_interpreter import run_interpreted
 
 from atom.model_ops import attention
 from atom.model_ops.context import AttentionContext, set_context
@@ -166,11 +163,7 @@ def test_reference_matches_cpu_attention() -> None:
 
 def test_kernels_match_reference_interpreted() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # must be set before triton is imported
-    code = BF16_DOT_SHIM + BF16_ROUND_SHIM + "DEVICE = 'cpu'\n" + CHECK
-    result = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
-    )
+    result = run_interpreted(CHECK)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "cases 48" in result.stdout
 

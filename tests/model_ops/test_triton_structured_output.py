@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from triton_interpreter import run_interpreted
 
 from atom.model_ops.triton_structured_output import apply_token_bitmask_inplace_reference
 
@@ -94,14 +92,7 @@ CHECK = textwrap.dedent(
 
 def test_kernel_matches_reference_interpreted() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # must be set before triton is imported
-    result = subprocess.run(
-        [sys.executable, "-c", CHECK.format(device="cpu")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_interpreted(CHECK.format(device="cpu"), timeout_s=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "cases 180" in result.stdout
 

@@ -1,6 +1,12 @@
-"""Patches for the Triton interpreter, prepended to the code of the interpreted kernel tests so
-that they compare bit for bit with what the GPU computes."""
+"""Running a kernel test's code under the Triton interpreter on CPU (what CI runs), in a process
+of its own: ``TRITON_INTERPRET`` must be set before triton is first imported. The patches below
+are prepended to the code so that it compares bit for bit with what the GPU computes."""
 
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
 import textwrap
 
 # The interpreter rounds float32 -> bfloat16 toward zero, where the GPU (and PyTorch) round to
@@ -44,3 +50,16 @@ BF16_DOT_SHIM = textwrap.dedent(
     interpreter.InterpreterBuilder.create_dot = lambda self, a, b, *rest: _dot(self, _wide(a), _wide(b), *rest)
     """
 )
+
+
+def run_interpreted(code: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    """``code`` (which must print what the test checks) in a child with the interpreter on and
+    both patches applied; ``DEVICE`` is ``"cpu"`` there."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    return subprocess.run(
+        [sys.executable, "-c", BF16_DOT_SHIM + BF16_ROUND_SHIM + "DEVICE = 'cpu'\n" + code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
