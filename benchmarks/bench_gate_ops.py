@@ -67,8 +67,7 @@ def measure(rows: int, iters: int, conn) -> dict[str, float]:
     host_index = host[at : at + (rows + 1) * 4].view(torch.int32)
     host_index[:rows] = torch.arange(rows, dtype=torch.int32)
     ring = host[ring_at:].view(torch.int32)
-    dev_rows = torch.empty_like(host_rows, device=dev)
-    dev_index = torch.empty_like(host_index, device=dev)
+    dev_rows, dev_index = host_rows.to(dev), host_index.to(dev)  # valid rows before the kernel
     logits = torch.randn(rows, VOCAB, device=dev, dtype=torch.bfloat16)
     sampled = torch.zeros(rows, dtype=torch.int64, device=dev)
     stream = torch.cuda.current_stream(dev)

@@ -34,6 +34,10 @@
 #   BASELINE=.baseline bash benchmarks/gpu_suite.sh decode_ab (the kernels' GPU tests, decode
 #                                          ms/step of another checkout's atom against this one's,
 #                                          alternated twice, then the gate operations; ~8 minutes)
+#   BASELINE=.baseline bash benchmarks/gpu_suite.sh gates_ab (gates' GPU tests, the gate
+#                                          operations, structured-output overhead of another
+#                                          checkout's atom against this one's, alternated twice,
+#                                          memcheck; ~9 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -248,9 +252,26 @@ decode_ab() {  # before/after decode: BASELINE (another checkout's folder holdin
     done
     step gate_ops 60 python3 benchmarks/bench_gate_ops.py --out $out
 }
+gates_ab() {  # gates before/after: BASELINE (another checkout's folder holding its atom,
+    # carried) and this checkout, both through this bench_structured_serving.py
+    step pytest_gates 120 python3 -m pytest -q -m gpu --durations=5 \
+        tests/structured_output/test_grammar_process.py tests/model_engine/test_cuda_graph.py
+    step gate_ops 45 python3 benchmarks/bench_gate_ops.py --rows 1 64 256 --iters 300 --out $out
+    for round in 1 2; do
+        for side in baseline current; do
+            local root=$PWD
+            [[ $side == baseline ]] && root=$PWD/${BASELINE:?a baseline checkout folder}
+            step structured_${side}_$round 95 env PYTHONPATH=/tmp/site:$root python3 \
+                benchmarks/bench_structured_serving.py --random-llama-1b --device cuda \
+                --schema-kinds mostly-forbidden --repeats 2 --tag ${side}_$round --out $out
+        done
+    done
+    step memcheck 110 compute-sanitizer --tool memcheck --print-limit 20 \
+        python3 benchmarks/sanitize_engine.py
+}
 gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-"${1:?bench, check, decode_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile or final}"
+"${1:?bench, check, decode_ab, gates_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile or final}"
 tail -n 200 $out/summary.log

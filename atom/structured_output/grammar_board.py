@@ -12,7 +12,10 @@ sampled ids here for the child to commit. Three 64-bit counters say how far each
   write that area again (gate ``n`` uses area ``n % 2``).
 
 The counters only grow. The rank sets ``DONE`` to ``RELEASED`` when the child fails or the rank
-shuts down, so a stream never waits for a child that is gone. The mapping is one file in
+shuts down, so a stream never waits for a child that is gone; after a failure, once the stream
+has copied the last rows the child wrote, it first makes every row of both areas allow-all
+(``allow_all``), so the gates released that way mask nothing (their rows would be another
+step's, whose row index may point at an unconstrained neighbour) and fail their requests. The mapping is one file in
 ``/dev/shm``, page-locked in the rank on CUDA, so the stream reads and writes it directly.
 """
 
@@ -43,10 +46,10 @@ def _aligned(nbytes: int) -> int:
 
 
 def _layout(max_rows: int, num_words: int) -> tuple[int, int, int]:
-    """Bytes of the ring, of an area's mask rows, and of an area (rows, then row index); each
-    section starts on a 64-byte boundary after the counters."""
-    rows = _aligned(max_rows * num_words * 4)
-    return _aligned(RING_SLOTS * max_rows * 4), rows, rows + _aligned((max_rows + 1) * 4)
+    """Bytes of the ring, of an area's row index, and of an area (row index, then mask rows, so
+    that one copy takes both); each section starts on a 64-byte boundary after the counters."""
+    index = _aligned(max_rows * 4)
+    return _aligned(RING_SLOTS * max_rows * 8), index, index + _aligned(max_rows * num_words * 4)
 
 
 class GrammarBoard:
@@ -54,19 +57,19 @@ class GrammarBoard:
 
     def __init__(self, path: str, max_rows: int, num_words: int) -> None:
         self.path, self.max_rows, self.num_words = path, max_rows, num_words
-        ring, rows_bytes, area = _layout(max_rows, num_words)
+        ring, index_bytes, area = _layout(max_rows, num_words)
         self.nbytes = _FLAG_BYTES + ring + 2 * area
+        self.index_words = index_bytes // 4  # int32 entries before an area's first mask row
         raw = self.raw = torch.from_file(path, shared=True, size=self.nbytes, dtype=torch.uint8)
         self._flags = raw[:_FLAG_BYTES].view(torch.int64).numpy()
-        ring_ids = raw[_FLAG_BYTES : _FLAG_BYTES + RING_SLOTS * max_rows * 4].view(torch.int32)
+        ring_ids = raw[_FLAG_BYTES : _FLAG_BYTES + RING_SLOTS * max_rows * 8].view(torch.int64)
         self.ring = ring_ids.view(RING_SLOTS, max_rows)
         self._areas = []
         for k in range(2):
             start = _FLAG_BYTES + ring + k * area
-            rows = raw[start : start + max_rows * num_words * 4].view(torch.int32)
-            index_end = start + rows_bytes + (max_rows + 1) * 4
-            index = raw[start + rows_bytes : index_end].view(torch.int32)
-            self._areas.append((rows.view(max_rows, num_words), index))
+            flat = raw[start : start + index_bytes + max_rows * num_words * 4].view(torch.int32)
+            rows = flat[self.index_words :].view(max_rows, num_words)
+            self._areas.append((flat, rows, flat[:max_rows]))
 
     @classmethod
     def create(cls, max_rows: int, num_words: int) -> GrammarBoard:
@@ -86,16 +89,25 @@ class GrammarBoard:
 
     def rows(self, gate: int) -> torch.Tensor:
         """The mask rows of ``gate``'s area: ``[max_rows, num_words]`` int32."""
-        return self._areas[gate % 2][0]
-
-    def row_index(self, gate: int) -> torch.Tensor:
-        """``[max_rows + 1]`` int32 of ``gate``'s area: the logits row of each mask row, then
-        the stamp: the gate whose rows the area holds, written last. A gate released without
-        its rows (a dead child) finds an older stamp, and its rows are not applied."""
         return self._areas[gate % 2][1]
 
+    def row_index(self, gate: int) -> torch.Tensor:
+        """``[max_rows]`` int32 of ``gate``'s area: the logits row of each mask row."""
+        return self._areas[gate % 2][2]
+
+    def area(self, gate: int, n: int) -> torch.Tensor:
+        """``gate``'s area as one int32 run: the row index (``index_words`` entries), then the
+        first ``n`` mask rows; what a step copies to the device."""
+        return self._areas[gate % 2][0][: self.index_words + n * self.num_words]
+
+    def allow_all(self) -> None:
+        """Every mask row of both areas allows every token: the rows a gate released without
+        its child's work gets (whatever its row index says, they mask nothing)."""
+        for _, rows, _ in self._areas:
+            rows.fill_(-1)
+
     def tokens(self, gate: int) -> torch.Tensor:
-        """The ring slot of ``gate``'s sampled ids, in its sampling row order."""
+        """The ring slot of ``gate``'s sampled ids (int64), in its sampling row order."""
         return self.ring[gate % RING_SLOTS]
 
     def address(self, flag: int) -> int:

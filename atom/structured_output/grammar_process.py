@@ -23,6 +23,7 @@ and the board's ``DONE`` counter is released so that no stream waits for the chi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -39,7 +40,14 @@ import numpy as np
 import torch
 
 from atom.model_engine.sequence import PLACEHOLDER
-from atom.structured_output.grammar_board import COPIED, DONE, RELEASED, TOKENS, GrammarBoard
+from atom.structured_output.grammar_board import (
+    COPIED,
+    DONE,
+    RELEASED,
+    TOKENS,
+    GrammarBoard,
+    GrammarBoardTimeout,
+)
 
 __all__ = ["GrammarProcess", "GrammarProcessError", "Ticket"]
 
@@ -165,10 +173,18 @@ class GrammarProcess:
         self._in_flight.popleft()
 
     def _dead(self, reason: str) -> GrammarProcessError:
-        """The child is gone: every later call fails at once, and no stream waits for it."""
+        """The child is gone: every later call fails at once, and no stream waits for it. The
+        gates it did not finish get allow-all rows (``GrammarBoard.allow_all``), written once
+        the child is stopped and the stream has copied the last rows it finished."""
         self.dead_reason = self.dead_reason or reason
-        if self.board is not None:
-            self.board.set(DONE, RELEASED)
+        board = self.board
+        if board is not None and board.get(DONE) < RELEASED:
+            self._process.kill()
+            self._process.join(timeout=5)
+            with contextlib.suppress(GrammarBoardTimeout):  # a stuck stream: release anyway
+                board.wait(COPIED, board.get(DONE), self._timeout_s)
+            board.allow_all()
+            board.set(DONE, RELEASED)
         return GrammarProcessError(self.dead_reason)
 
     def _answer(self, method: str) -> Any:
@@ -280,29 +296,39 @@ class _Grammars:
         from the ring once the stream published them; then write one row per job into the
         gate's area, once the stream copied what that area held before, with its logits row
         (an allow-all row for a request that gets no mask: it fails, its token is dropped).
-        ``DONE`` is raised even when this fails, so the stream never waits for it."""
-        from atom.structured_output.grammar_rows import fill_rows
-
+        ``DONE`` is raised even when this fails, so the stream never waits for it; the area's
+        rows then allow everything (its row index may be another step's, pointing at an
+        unconstrained neighbour), and the rank fails the gate's requests."""
         board = self.board
         assert board is not None, "map_board first"
         start = time.perf_counter()
         try:
-            self.manager.commit_many(self._resolve(board, commits, timeout_s))
-            waited = time.perf_counter()
+            return self._gate_rows(board, gate, commits, jobs, timeout_s)
+        except Exception:
             board.wait(COPIED, gate - 2, timeout_s)
-            self._waited_s += time.perf_counter() - waited
-            filled = fill_rows(self.manager, lambda n: self._rows(gate % 2, n), jobs)
-            masked = set(filled.logits_rows)
-            unmasked = [job[3] for job in jobs if job[3] not in masked]
-            rows, index, n = board.rows(gate), board.row_index(gate).numpy(), filled.num_rows
-            rows[n : n + len(unmasked)] = -1
-            index[: n + len(unmasked)] = filled.logits_rows + unmasked
-            index[-1] = gate  # the stamp, last: the area holds this gate's rows
-            return filled.errors
+            board.rows(gate)[: len(jobs)] = -1
+            raise
         finally:
             board.set(DONE, gate)
             self._gates += 1
             self._gate_s += time.perf_counter() - start
+
+    def _gate_rows(
+        self, board: GrammarBoard, gate: int, commits: list, jobs: list, timeout_s: float
+    ) -> dict[int, str]:
+        from atom.structured_output.grammar_rows import fill_rows
+
+        self.manager.commit_many(self._resolve(board, commits, timeout_s))
+        waited = time.perf_counter()
+        board.wait(COPIED, gate - 2, timeout_s)
+        self._waited_s += time.perf_counter() - waited
+        filled = fill_rows(self.manager, lambda n: self._rows(gate % 2, n), jobs)
+        masked = set(filled.logits_rows)
+        unmasked = [job[3] for job in jobs if job[3] not in masked]
+        rows, index, n = board.rows(gate), board.row_index(gate).numpy(), filled.num_rows
+        rows[n : n + len(unmasked)] = -1
+        index[: n + len(unmasked)] = filled.logits_rows + unmasked
+        return filled.errors
 
     def gate_timing(self) -> tuple[int, float, float]:
         """Gates done, seconds in them, and seconds of that waiting for the stream (sampled ids

@@ -100,8 +100,7 @@ class StructuredOutputWorker:
         self._init_error: str | None = None
         self._mask_buffers: MaskBuffers | None = None  # allocated by the first mask
         self._gate = 0  # the last gate sent to the grammar process
-        self._gate_rows: torch.Tensor | None = None  # CUDA: a gate's rows copied to the device
-        self._gate_index: torch.Tensor | None = None  # and their logits rows
+        self._gate_area: torch.Tensor | None = None  # CUDA: a gate's area copied to the device
         self._stream_flags: bool | None = None  # whether the stream waits work (``gates``)
         # ``prepare`` sent to a busy grammar process: the ticket and items of the ask in flight,
         # and answers not yet given to the engine, by request id (``_prepare_in_process``).
@@ -302,8 +301,7 @@ class StructuredOutputWorker:
         most = self.config.max_num_seqs * (1 + self.config.num_speculative_tokens)
         board = self.process.map_board(most, num_mask_words(vocab_size), self.device)
         if self.device.type == "cuda":
-            self._gate_rows = torch.empty_like(board.rows(0), device=self.device)
-            self._gate_index = torch.empty_like(board.row_index(0), device=self.device)
+            self._gate_area = torch.empty_like(board.area(0, most), device=self.device)
         return MaskBuffers(vocab_size, self.device, host=board.rows(0))
 
     # ---- per step with a grammar process: gates, nothing waits on this thread --------------------
@@ -350,33 +348,28 @@ class StructuredOutputWorker:
         if self.device.type != "cuda":
             with contextlib.suppress(GrammarBoardTimeout):  # gate_errors reports the child
                 board.wait(DONE, gate, self.config.worker_timeout_s, process.alive)
-                index = board.row_index(gate)
-                if int(index[-1]) == gate:  # not released without its rows
-                    apply_token_bitmask_inplace(logits, board.rows(gate)[:n], index[:n])
+                apply_token_bitmask_inplace(logits, board.rows(gate)[:n], board.row_index(gate)[:n])
             board.set(COPIED, gate)
             return gate
         stream = torch.cuda.current_stream(self.device)
         stream_wait(stream, board.address(DONE), gate)
-        rows, index = self._gate_rows[:n], self._gate_index
-        rows.copy_(board.rows(gate)[:n], non_blocking=True)
-        index.copy_(board.row_index(gate), non_blocking=True)
+        area = self._gate_area[: board.index_words + n * board.num_words]
+        area.copy_(board.area(gate, n), non_blocking=True)  # row index, then rows: one copy
         stream_write(stream, board.address(COPIED), gate)
-        # Rows of a gate released without them (a dead child) are stale, maybe another step's,
-        # whose row index may point at an unconstrained neighbour: they then allow everything.
-        rows.masked_fill_(index[-1:].ne(gate).unsqueeze(1), -1)
-        apply_token_bitmask_inplace(logits, rows, index[:n])
+        rows = area[board.index_words :].view(n, board.num_words)
+        apply_token_bitmask_inplace(logits, rows, area[:n])
         return gate
 
     def publish(self, gate: int, token_ids: torch.Tensor) -> None:
-        """Put a gate's sampled ids into the ring once they are sampled (on the stream, after
-        the work queued so far), for the next gate's commits."""
+        """Put a gate's sampled ids (int64) into the ring once they are sampled (on the stream,
+        after the work queued so far), for the next gate's commits."""
         board = self.process.board
         slot = board.tokens(gate)[: token_ids.numel()]
         if self.device.type != "cuda":
             slot.copy_(token_ids)
             board.set(TOKENS, gate)
             return
-        slot.copy_(token_ids.to(torch.int32), non_blocking=True)
+        slot.copy_(token_ids, non_blocking=True)
         stream_write(torch.cuda.current_stream(self.device), board.address(TOKENS), gate)
 
     def gate_errors(self, gate: int, constrained: list[int]) -> dict[int, str]:

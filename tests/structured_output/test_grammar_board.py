@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from atom.config import EngineConfig
 from atom.structured_output.grammar_board import (
@@ -33,16 +34,32 @@ def test_two_mappings_share_counters_rows_and_ring(boards):
     assert [rank.get(f) for f in (TOKENS, DONE, COPIED)] == [0, 0, 0]
     child.rows(3)[2] = 7
     child.row_index(3)[:2] = 4
-    child.row_index(3)[-1] = 3  # the stamp, after the 8 rows' indices
-    rank.tokens(6)[1] = 42
+    rank.tokens(6)[1] = 2**40  # int64 ids, as the sampler gives them
     assert int(rank.rows(1)[2, 0]) == 7 and int(rank.rows(2)[2, 0]) == 0  # gate 3: area 1
-    assert rank.row_index(5)[:2].tolist() == [4, 4] and int(rank.row_index(5)[8]) == 3
-    assert int(rank.row_index(4)[8]) == 0
-    assert int(child.tokens(2)[1]) == 42  # gate 6 and gate 2 share a ring slot of 4
+    assert rank.row_index(5)[:2].tolist() == [4, 4] and rank.row_index(4)[:2].tolist() == [0, 0]
+    assert int(child.tokens(2)[1]) == 2**40  # gate 6 and gate 2 share a ring slot of 4
     child.set(DONE, 5)
     child.set(DONE, 3)  # never lowered
     assert rank.get(DONE) == 5
     assert rank.address(DONE) - rank.address(TOKENS) == 8
+
+
+def test_an_area_is_one_run_of_row_index_then_rows(boards):
+    """What a step copies to the device: the row index, then its first n rows."""
+    rank, child = boards
+    child.row_index(7)[:3] = torch.tensor([5, 0, 2], dtype=torch.int32)
+    child.rows(7)[:3] = torch.arange(15, dtype=torch.int32).view(3, 5)
+    area = rank.area(7, 3)
+    assert area.numel() == rank.index_words + 3 * 5 and rank.index_words >= 8
+    assert area[:3].tolist() == [5, 0, 2]
+    assert area[rank.index_words :].view(3, 5).equal(child.rows(1)[:3])
+
+
+def test_allow_all_makes_every_row_of_both_areas_allow_every_token(boards):
+    rank, child = boards
+    child.rows(0)[1] = 3
+    rank.allow_all()
+    assert bool((child.rows(0) == -1).all()) and bool((child.rows(1) == -1).all())
 
 
 def test_a_wait_ends_when_the_counter_arrives(boards):

@@ -192,3 +192,31 @@ def test_an_abort_and_an_arrival_while_gates_are_in_flight(request, monkeypatch)
     assert answers == reference
     assert answers["late"][1] is None and answers["late"][0] == answers["json"][0]
     assert answers["json"][1] is None and answers["plain"][1] is None
+
+
+def test_a_failed_gate_masks_nothing(smollm2_dir):
+    """A gate that fails in the child still raises ``DONE`` (no stream waits for it), and its
+    rows then allow every token: its area holds another step's row index, which may point at
+    an unconstrained neighbour's logits row (the rank fails the gate's own requests)."""
+    from atom.model_engine.sequence import PLACEHOLDER
+    from atom.structured_output.grammar_board import COPIED, DONE, TOKENS, GrammarBoard
+    from atom.structured_output.grammar_process import _Grammars
+
+    options = {"vocab_size": 49152, "stop_token_ids": [2], "threads": 1, "whitespace": "space"}
+    grammars = _Grammars(str(smollm2_dir), options)
+    board = GrammarBoard.create(max_rows=4, num_words=49152 // 32)
+    try:
+        grammars.map_board(board.path, 4, 49152 // 32)
+        board.rows(3)[:2] = 7  # gate 1's rows, copied (COPIED 1)
+        board.row_index(3)[:2] = torch.tensor([5, 6], dtype=torch.int32)
+        board.set(TOKENS, 2)
+        board.set(COPIED, 1)
+        jobs = [(0, "r0", [], 0), (1, "r1", [], 1)]
+        commits = [("r0", [PLACEHOLDER], (2, 10_000))]  # past the ring slot: the commit fails
+        with pytest.raises(IndexError):
+            grammars.gate(3, commits, jobs, timeout_s=5)
+        assert board.get(DONE) == 3
+        assert bool((board.rows(3)[:2] == -1).all())
+    finally:
+        board.unlink()
+        grammars.manager.shutdown()
