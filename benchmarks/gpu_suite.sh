@@ -34,10 +34,10 @@
 #   BASELINE=.baseline bash benchmarks/gpu_suite.sh decode_ab (the kernels' GPU tests, decode
 #                                          ms/step of another checkout's atom against this one's,
 #                                          alternated twice, then the gate operations; ~8 minutes)
-#   BASELINE=.baseline bash benchmarks/gpu_suite.sh gates_ab (gates' GPU tests, the gate
-#                                          operations, structured-output overhead of another
-#                                          checkout's atom against this one's, alternated twice,
-#                                          memcheck; ~9 minutes)
+#   BASELINE=.baseline [ROUNDS=1] bash benchmarks/gpu_suite.sh gates_ab (gates' GPU tests, the
+#                                          gate operations, structured-output overhead of another
+#                                          checkout's atom against this one's, alternated ROUNDS
+#                                          times (2), memcheck; ~9 minutes, ~7 with ROUNDS=1)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -257,7 +257,7 @@ gates_ab() {  # gates before/after: BASELINE (another checkout's folder holding 
     step pytest_gates 120 python3 -m pytest -q -m gpu --durations=5 \
         tests/structured_output/test_grammar_process.py tests/model_engine/test_cuda_graph.py
     step gate_ops 45 python3 benchmarks/bench_gate_ops.py --rows 1 64 256 --iters 300 --out $out
-    for round in 1 2; do
+    for round in $(seq ${ROUNDS:-2}); do
         for side in baseline current; do
             local root=$PWD
             [[ $side == baseline ]] && root=$PWD/${BASELINE:?a baseline checkout folder}
