@@ -34,7 +34,7 @@
 #   BASELINE=.baseline bash benchmarks/gpu_suite.sh decode_ab (the kernels' GPU tests, decode
 #                                          ms/step of another checkout's atom against this one's,
 #                                          alternated twice, then the gate operations; ~8 minutes)
-#   BASELINE=.baseline [ROUNDS=1] bash benchmarks/gpu_suite.sh gates_ab (gates' GPU tests, the
+#   BASELINE=.baseline [ROUNDS=1 REPEATS=3] bash benchmarks/gpu_suite.sh gates_ab (gates' GPU tests, the
 #                                          gate operations, structured-output overhead of another
 #                                          checkout's atom against this one's, alternated ROUNDS
 #                                          times (2), memcheck; ~9 minutes, ~7 with ROUNDS=1)
@@ -261,9 +261,9 @@ gates_ab() {  # gates before/after: BASELINE (another checkout's folder holding 
         for side in baseline current; do
             local root=$PWD
             [[ $side == baseline ]] && root=$PWD/${BASELINE:?a baseline checkout folder}
-            step structured_${side}_$round 95 env PYTHONPATH=/tmp/site:$root python3 \
+            step structured_${side}_$round 110 env PYTHONPATH=/tmp/site:$root python3 \
                 benchmarks/bench_structured_serving.py --random-llama-1b --device cuda \
-                --schema-kinds mostly-forbidden --repeats 2 --tag ${side}_$round --out $out
+                --schema-kinds mostly-forbidden --repeats ${REPEATS:-2} --tag ${side}_$round --out $out
         done
     done
     step memcheck 110 compute-sanitizer --tool memcheck --print-limit 20 \
