@@ -254,7 +254,7 @@ decode_ab() {  # before/after decode: BASELINE (another checkout's folder holdin
 }
 gates_ab() {  # gates before/after: BASELINE (another checkout's folder holding its atom,
     # carried) and this checkout, both through this bench_structured_serving.py
-    step pytest_gates 120 python3 -m pytest -q -m gpu --durations=5 \
+    step pytest_gates 150 python3 -m pytest -q -m gpu --durations=5 tests/spec_decode \
         tests/structured_output/test_grammar_process.py tests/model_engine/test_cuda_graph.py
     step gate_ops 45 python3 benchmarks/bench_gate_ops.py --rows 1 64 256 --iters 300 --out $out
     for round in $(seq ${ROUNDS:-2}); do
