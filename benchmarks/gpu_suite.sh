@@ -38,6 +38,8 @@
 #                                          gate operations, structured-output overhead of another
 #                                          checkout's atom against this one's, alternated ROUNDS
 #                                          times (2), memcheck; ~9 minutes, ~7 with ROUNDS=1)
+#   bash benchmarks/gpu_suite.sh gates_check (the gates' and CUDA graphs' GPU tests, structured-
+#                                          output overhead with the defaults; ~4 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -269,9 +271,16 @@ gates_ab() {  # gates before/after: BASELINE (another checkout's folder holding 
     step memcheck 110 compute-sanitizer --tool memcheck --print-limit 20 \
         python3 benchmarks/sanitize_engine.py
 }
+gates_check() {  # the gates' GPU tests (a killed child among them) and the CUDA graphs', then
+    # the structured-output overhead with the defaults
+    step pytest_gates 200 python3 -m pytest -q -m gpu --durations=5 \
+        tests/structured_output/test_grammar_process.py tests/model_engine/test_cuda_graph.py
+    step structured 110 python3 benchmarks/bench_structured_serving.py --random-llama-1b \
+        --device cuda --schema-kinds mostly-forbidden --tag gates_check --out $out
+}
 gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-"${1:?bench, check, decode_ab, gates_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile or final}"
+"${1:?bench, check, decode_ab, gates_ab, gates_check, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile or final}"
 tail -n 200 $out/summary.log

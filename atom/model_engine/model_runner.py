@@ -327,8 +327,10 @@ class ModelRunner:
 
     def _gate_commits(self, batch: ScheduledBatch) -> list[GateCommit]:
         """The batch's grammar updates for a gate: a placeholder's source is the ring row of the
-        gate that sampled it (a step sampled without a gate is read here, waiting for it)."""
+        gate that sampled it, counted back from the next gate (a step sampled without a gate is
+        read here, waiting for it)."""
         seq_ids = {s.request_id: s.seq_id for s in batch.seqs}
+        next_gate = self.structured_output.next_gate
         commits: list[GateCommit] = []
         for u in batch.grammar_updates:
             tokens, source = list(u.new_token_ids), None
@@ -336,7 +338,7 @@ class ModelRunner:
                 seq_id = seq_ids[u.request_id]
                 out = self._sampled_in[seq_id]
                 if isinstance(out, DeferredOutput) and out.gate is not None:
-                    source = (out.gate, out.rows[seq_id])
+                    source = (next_gate - out.gate, out.rows[seq_id])
                 else:
                     sampled = out.tokens_of(seq_id)
                     tokens = [x for t in tokens for x in (sampled if t == PLACEHOLDER else (t,))]

@@ -12,10 +12,10 @@ sampled ids here for the child to commit. Three 64-bit counters say how far each
   write that area again (gate ``n`` uses area ``n % 2``).
 
 The counters only grow. The rank sets ``DONE`` to ``RELEASED`` when the child fails or the rank
-shuts down, so a stream never waits for a child that is gone; after a failure, once the stream
-has copied the last rows the child wrote, it first makes every row of both areas allow-all
-(``allow_all``), so the gates released that way mask nothing (their rows would be another
-step's, whose row index may point at an unconstrained neighbour) and fail their requests. The mapping is one file in
+shuts down, so a stream never waits for a child that is gone; after a failure it first makes
+every row of both areas allow-all (``allow_all``), so the gates released that way mask nothing
+(their rows would be another step's, whose row index may point at an unconstrained neighbour),
+and it fails every gate the stream had not copied by then (``GrammarProcess._dead``). The mapping is one file in
 ``/dev/shm``, page-locked in the rank on CUDA, so the stream reads and writes it directly.
 """
 

@@ -57,7 +57,9 @@ if TYPE_CHECKING:
 __all__ = ["GateCommit", "StructuredOutputWorker"]
 
 # A request's acknowledged tokens for a gate: (request id, tokens, source), where a placeholder
-# in tokens is the sampled id at ``source`` = (gate, row) of the board's ring.
+# in tokens is the sampled id at ``source`` = (gates back, row) of the board's ring: the row of
+# the gate that many gates before this one (1 while the batch keeps decoding), so that a steady
+# batch sends the same commits every step (``GrammarProcess.send_gate`` then sends none).
 GateCommit = tuple[str, list[int], tuple[int, int] | None]
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,7 @@ class StructuredOutputWorker:
         self._mask_buffers: MaskBuffers | None = None  # allocated by the first mask
         self._gate = 0  # the last gate sent to the grammar process
         self._gate_area: torch.Tensor | None = None  # CUDA: a gate's area copied to the device
+        self._stream: torch.cuda.Stream | None = None  # CUDA: the last gate's stream
         self._stream_flags: bool | None = None  # whether the stream waits work (``gates``)
         # ``prepare`` sent to a busy grammar process: the ticket and items of the ask in flight,
         # and answers not yet given to the engine, by request id (``_prepare_in_process``).
@@ -322,12 +325,17 @@ class StructuredOutputWorker:
         """Constrained steps sent through gates so far."""
         return self._gate
 
+    @property
+    def next_gate(self) -> int:
+        """The number the next ``gate_step`` gets (``GateCommit`` sources count back from it)."""
+        return self._gate + 1
+
     def gate_step(
         self, commits: list[GateCommit], seqs: list[Sequence], logits: torch.Tensor
     ) -> int:
         """Send a step's grammar work to the grammar process and queue the masking of
         ``logits`` behind it; returns the step's gate. ``commits``: the acknowledged tokens per
-        request, a placeholder's source a ``(gate, row)`` of the ring (``publish``).
+        request, a placeholder's source a ``(gates back, row)`` of the ring (``publish``).
 
         On CUDA the stream waits for the child's rows, copies them, marks them copied and
         masks; the caller queues the sampling next, and nothing here waits. On CPU this waits
@@ -351,7 +359,7 @@ class StructuredOutputWorker:
                 apply_token_bitmask_inplace(logits, board.rows(gate)[:n], board.row_index(gate)[:n])
             board.set(COPIED, gate)
             return gate
-        stream = torch.cuda.current_stream(self.device)
+        stream = self._stream = torch.cuda.current_stream(self.device)  # publish's too
         stream_wait(stream, board.address(DONE), gate)
         area = self._gate_area[: board.index_words + n * board.num_words]
         area.copy_(board.area(gate, n), non_blocking=True)  # row index, then rows: one copy
@@ -361,8 +369,8 @@ class StructuredOutputWorker:
         return gate
 
     def publish(self, gate: int, token_ids: torch.Tensor) -> None:
-        """Put a gate's sampled ids (int64) into the ring once they are sampled (on the stream,
-        after the work queued so far), for the next gate's commits."""
+        """Put a gate's sampled ids (int64) into the ring once they are sampled (on the stream
+        of its ``gate_step``, after the work queued so far), for the next gate's commits."""
         board = self.process.board
         slot = board.tokens(gate)[: token_ids.numel()]
         if self.device.type != "cuda":
@@ -370,7 +378,7 @@ class StructuredOutputWorker:
             board.set(TOKENS, gate)
             return
         slot.copy_(token_ids, non_blocking=True)
-        stream_write(torch.cuda.current_stream(self.device), board.address(TOKENS), gate)
+        stream_write(self._stream, board.address(TOKENS), gate)
 
     def gate_errors(self, gate: int, constrained: list[int]) -> dict[int, str]:
         """A gate's structured-output errors by sequence id (waits for the child's answer:

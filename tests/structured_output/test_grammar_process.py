@@ -220,3 +220,54 @@ def test_a_failed_gate_masks_nothing(smollm2_dir):
     finally:
         board.unlink()
         grammars.manager.shutdown()
+
+
+def test_a_dead_child_fails_the_gates_the_stream_had_not_copied(smollm2_dir):
+    """When the child dies, the rank makes every row allow-all before the release, without
+    waiting for the stream; so a gate answered but not yet copied (past ``COPIED``), whose rows
+    that may overwrite, fails even though its answer was already read from the pipe."""
+    from atom.structured_output.grammar_board import COPIED, DONE, RELEASED
+    from atom.structured_output.grammar_process import GrammarProcess, GrammarProcessError
+
+    options = {"vocab_size": 49152, "stop_token_ids": [2], "threads": 1, "whitespace": "space"}
+    process = GrammarProcess(str(smollm2_dir), options, timeout_s=30)
+    try:
+        board = process.map_board(4, 4, torch.device("cpu"))
+        board.rows(1)[:] = 7
+        for gate in (1, 2):
+            process.send_gate(gate, [], [])
+        assert process.call("counts") == (0, 0)  # both gates answered, their answers kept
+        board.set(COPIED, 1)  # the stream copied gate 1's rows, not gate 2's
+        os.kill(process.pid, signal.SIGKILL)
+        with pytest.raises(GrammarProcessError, match="exited"):
+            process.call("counts")
+        assert process.answer_of(("gate", 1)) == {}
+        with pytest.raises(GrammarProcessError, match="exited"):
+            process.answer_of(("gate", 2))
+        assert board.get(DONE) == RELEASED
+        assert bool((board.rows(0) == -1).all()) and bool((board.rows(1) == -1).all())
+    finally:
+        process.shutdown()
+
+
+def test_a_steady_batch_sends_its_commits_and_jobs_once(smollm2_dir, monkeypatch):
+    """Gates whose commits and jobs equal the last gate's (a batch that keeps decoding) send
+    neither again; the child answers them from the ones it kept."""
+    from atom.structured_output.grammar_board import COPIED
+    from atom.structured_output.grammar_process import GrammarProcess
+
+    options = {"vocab_size": 49152, "stop_token_ids": [2], "threads": 1, "whitespace": "space"}
+    process = GrammarProcess(str(smollm2_dir), options, timeout_s=30)
+    try:
+        process.map_board(4, 49152 // 32, torch.device("cpu")).set(COPIED, 3)
+        sent = []
+        conn_send = process._conn.send
+        monkeypatch.setattr(process._conn, "send", lambda m: sent.append(m) or conn_send(m))
+        for gate, seq_id in ((1, 7), (2, 7), (3, 8)):  # jobs of requests with no state here
+            process.send_gate(gate, [], [(seq_id, f"r{seq_id}", [], 0)])
+        answers = [process.answer_of(("gate", gate)) for gate in (1, 2, 3)]
+        assert [list(a) for a in answers] == [[7], [7], [8]]
+        assert "no grammar state" in answers[1][7]
+        assert [args[1] is None for _, args, _ in sent] == [False, True, False]
+    finally:
+        process.shutdown()
