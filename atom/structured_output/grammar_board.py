@@ -12,10 +12,8 @@ sampled ids here for the child to commit. Three 64-bit counters say how far each
   write that area again (gate ``n`` uses area ``n % 2``).
 
 The counters only grow. The rank sets ``DONE`` to ``RELEASED`` when the child fails or the rank
-shuts down, so a stream never waits for a child that is gone; after a failure it first makes
-every row of both areas allow-all (``allow_all``), so the gates released that way mask nothing
-(their rows would be another step's, whose row index may point at an unconstrained neighbour),
-and it fails every gate the stream had not copied by then (``GrammarProcess._dead``). The mapping is one file in
+shuts down, so a stream never waits for a child that is gone; a gate released that way finds
+an area stamped with another gate (``row_index``), whose rows then mask nothing. The mapping is one file in
 ``/dev/shm``, page-locked in the rank on CUDA, so the stream reads and writes it directly.
 """
 
@@ -48,7 +46,7 @@ def _aligned(nbytes: int) -> int:
 def _layout(max_rows: int, num_words: int) -> tuple[int, int, int]:
     """Bytes of the ring, of an area's row index, and of an area (row index, then mask rows, so
     that one copy takes both); each section starts on a 64-byte boundary after the counters."""
-    index = _aligned(max_rows * 4)
+    index = _aligned((max_rows + 1) * 4)  # the logits row of each mask row, then the stamp
     return _aligned(RING_SLOTS * max_rows * 8), index, index + _aligned(max_rows * num_words * 4)
 
 
@@ -69,7 +67,7 @@ class GrammarBoard:
             start = _FLAG_BYTES + ring + k * area
             flat = raw[start : start + index_bytes + max_rows * num_words * 4].view(torch.int32)
             rows = flat[self.index_words :].view(max_rows, num_words)
-            self._areas.append((flat, rows, flat[:max_rows]))
+            self._areas.append((flat, rows, flat[: max_rows + 1]))
 
     @classmethod
     def create(cls, max_rows: int, num_words: int) -> GrammarBoard:
@@ -92,19 +90,17 @@ class GrammarBoard:
         return self._areas[gate % 2][1]
 
     def row_index(self, gate: int) -> torch.Tensor:
-        """``[max_rows]`` int32 of ``gate``'s area: the logits row of each mask row."""
+        """``[max_rows + 1]`` int32 of ``gate``'s area: the logits row of each mask row, then
+        the stamp (``index[max_rows]``): the gate whose rows the area holds, written last. A
+        gate released without its rows (a failed or dead child) finds another stamp there, and
+        its rows are not applied: they would be another step's, whose row index may point at
+        an unconstrained neighbour."""
         return self._areas[gate % 2][2]
 
     def area(self, gate: int, n: int) -> torch.Tensor:
-        """``gate``'s area as one int32 run: the row index (``index_words`` entries), then the
-        first ``n`` mask rows; what a step copies to the device."""
+        """``gate``'s area as one int32 run: the row index and stamp (``index_words``
+        entries), then the first ``n`` mask rows; what a step copies to the device."""
         return self._areas[gate % 2][0][: self.index_words + n * self.num_words]
-
-    def allow_all(self) -> None:
-        """Every mask row of both areas allows every token: the rows a gate released without
-        its child's work gets (whatever its row index says, they mask nothing)."""
-        for _, rows, _ in self._areas:
-            rows.fill_(-1)
 
     def tokens(self, gate: int) -> torch.Tensor:
         """The ring slot of ``gate``'s sampled ids (int64), in its sampling row order."""

@@ -173,27 +173,12 @@ class GrammarProcess:
         self._in_flight.popleft()
 
     def _dead(self, reason: str) -> GrammarProcessError:
-        """The child is gone: every later call fails at once, and no stream waits for it.
-
-        Nothing waits here for the stream (a host spinning on a counter the stream writes may
-        never see it: the driver need not submit queued work while the host makes no CUDA
-        call). With the child stopped, every row of both areas becomes allow-all before the
-        release, so the gates it did not finish mask nothing; a gate whose rows the stream had
-        not copied yet (past ``COPIED``) may see some of them overwritten, so its answer, even
-        one already read from the pipe, becomes this failure."""
+        """The child is gone: every later call fails at once, and no stream waits for it (the
+        gates it did not finish find their areas stamped with other gates)."""
         self.dead_reason = self.dead_reason or reason
-        error = GrammarProcessError(self.dead_reason)
-        board = self.board
-        if board is not None and board.get(DONE) < RELEASED:
-            self._process.kill()
-            self._process.join(timeout=5)  # nothing writes the board after this
-            copied = board.get(COPIED)
-            board.allow_all()
-            board.set(DONE, RELEASED)
-            for ticket in self._answers:
-                if ticket[0] == "gate" and ticket[1] > copied:
-                    self._answers[ticket] = error
-        return error
+        if self.board is not None:
+            self.board.set(DONE, RELEASED)
+        return GrammarProcessError(self.dead_reason)
 
     def _answer(self, method: str) -> Any:
         if self.dead_reason is not None:
@@ -305,12 +290,12 @@ class _Grammars:
     ) -> dict[int, str]:
         """A gate's work (``grammar_board``): commit the acknowledged tokens (None: the last
         gate's commits and jobs again), placeholders read from the ring once the stream
-        published them; then write one row per job into the
-        gate's area, once the stream copied what that area held before, with its logits row
-        (an allow-all row for a request that gets no mask: it fails, its token is dropped).
-        ``DONE`` is raised even when this fails, so the stream never waits for it; the area's
-        rows then allow everything (its row index may be another step's, pointing at an
-        unconstrained neighbour), and the rank fails the gate's requests."""
+        published them; then write one row per job into the gate's area, once the stream
+        copied what that area held before, with its logits row (an allow-all row for a request
+        that gets no mask: it fails, its token is dropped).
+        ``DONE`` is raised even when this fails, so the stream never waits for it; the area
+        then keeps another gate's stamp (``GrammarBoard.row_index``), so its rows mask nothing,
+        and the rank fails the gate's requests."""
         board = self.board
         assert board is not None, "map_board first"
         start = time.perf_counter()
@@ -319,10 +304,6 @@ class _Grammars:
         self._last_gate = commits, jobs
         try:
             return self._gate_rows(board, gate, commits, jobs, timeout_s)
-        except Exception:
-            board.wait(COPIED, gate - 2, timeout_s)
-            board.rows(gate)[: len(jobs)] = -1
-            raise
         finally:
             board.set(DONE, gate)
             self._gates += 1
@@ -343,6 +324,7 @@ class _Grammars:
         rows, index, n = board.rows(gate), board.row_index(gate).numpy(), filled.num_rows
         rows[n : n + len(unmasked)] = -1
         index[: n + len(unmasked)] = filled.logits_rows + unmasked
+        index[-1] = gate  # the stamp, last: the area holds this gate's rows
         return filled.errors
 
     def gate_timing(self) -> tuple[int, float, float]:

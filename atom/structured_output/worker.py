@@ -344,6 +344,8 @@ class StructuredOutputWorker:
         if self._mask_buffers is None:
             self._mask_buffers = self._new_mask_buffers(logits.shape[1])
         process, board = self.process, self.process.board
+        if self.device.type == "cuda":  # publish's too, even for a gate that was not sent
+            self._stream = torch.cuda.current_stream(self.device)
         self._gate += 1
         gate, jobs = self._gate, self._jobs(seqs, [[]] * len(seqs))
         try:
@@ -356,15 +358,21 @@ class StructuredOutputWorker:
         if self.device.type != "cuda":
             with contextlib.suppress(GrammarBoardTimeout):  # gate_errors reports the child
                 board.wait(DONE, gate, self.config.worker_timeout_s, process.alive)
-                apply_token_bitmask_inplace(logits, board.rows(gate)[:n], board.row_index(gate)[:n])
+                index = board.row_index(gate)
+                if int(index[-1]) == gate:  # not released without its rows
+                    apply_token_bitmask_inplace(logits, board.rows(gate)[:n], index[:n])
             board.set(COPIED, gate)
             return gate
-        stream = self._stream = torch.cuda.current_stream(self.device)  # publish's too
+        stream = self._stream
         stream_wait(stream, board.address(DONE), gate)
         area = self._gate_area[: board.index_words + n * board.num_words]
         area.copy_(board.area(gate, n), non_blocking=True)  # row index, then rows: one copy
         stream_write(stream, board.address(COPIED), gate)
         rows = area[board.index_words :].view(n, board.num_words)
+        # Rows of a gate released without them (a failed or dead child) are another step's,
+        # whose row index may point at an unconstrained neighbour: they then allow everything.
+        stamp = area[board.max_rows : board.max_rows + 1]
+        rows.masked_fill_(stamp.ne(gate).unsqueeze(1), -1)
         apply_token_bitmask_inplace(logits, rows, area[:n])
         return gate
 

@@ -44,22 +44,17 @@ def test_two_mappings_share_counters_rows_and_ring(boards):
     assert rank.address(DONE) - rank.address(TOKENS) == 8
 
 
-def test_an_area_is_one_run_of_row_index_then_rows(boards):
-    """What a step copies to the device: the row index, then its first n rows."""
+def test_an_area_is_one_run_of_row_index_stamp_then_rows(boards):
+    """What a step copies to the device: the row index and the stamp, then its first n rows."""
     rank, child = boards
     child.row_index(7)[:3] = torch.tensor([5, 0, 2], dtype=torch.int32)
+    child.row_index(7)[-1] = 7  # the stamp, after the 8 rows' indices
     child.rows(7)[:3] = torch.arange(15, dtype=torch.int32).view(3, 5)
     area = rank.area(7, 3)
-    assert area.numel() == rank.index_words + 3 * 5 and rank.index_words >= 8
-    assert area[:3].tolist() == [5, 0, 2]
+    assert area.numel() == rank.index_words + 3 * 5 and rank.index_words >= 9
+    assert area[:3].tolist() == [5, 0, 2] and int(area[8]) == 7
+    assert int(rank.row_index(6)[8]) == 0  # the other area's stamp
     assert area[rank.index_words :].view(3, 5).equal(child.rows(1)[:3])
-
-
-def test_allow_all_makes_every_row_of_both_areas_allow_every_token(boards):
-    rank, child = boards
-    child.rows(0)[1] = 3
-    rank.allow_all()
-    assert bool((child.rows(0) == -1).all()) and bool((child.rows(1) == -1).all())
 
 
 def test_a_wait_ends_when_the_counter_arrives(boards):
