@@ -18,7 +18,8 @@ for the child's answer (``step``) before it samples.
 The child never touches CUDA. It runs one message at a time, in order, and answers calls and
 gates (``cast`` gets no answer). A call that finds the child gone or silent for ``timeout_s``
 raises ``GrammarProcessError`` (the worker fails its constrained requests and refuses new ones),
-and the board's ``DONE`` counter is released so that no stream waits for the child any more.
+and the board's ``DONE`` counter is released so that no stream waits for the child any more; a
+watcher thread releases it as soon as the child exits, whatever the rank's threads are doing.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import os
 import threading
 import time
 from collections import deque
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.util import Finalize
 from pathlib import Path
@@ -74,6 +75,13 @@ class GrammarProcess:
         self._process.start()
         child.close()
         self._finalizer = Finalize(self, _stop, (self._conn, self._process), exitpriority=10)
+        self._boards: list[GrammarBoard] = []  # released by the watcher when the child exits
+        threading.Thread(
+            target=_release_on_exit,
+            args=(self._process.sentinel, self._boards),
+            name="atom-grammar-watch",
+            daemon=True,
+        ).start()
         self._timeout_s = timeout_s
         self._lock = threading.Lock()  # one call at a time: steps, admissions and releases
         self._pinned: int | None = None  # the board's address while page-locked
@@ -208,6 +216,7 @@ class GrammarProcess:
         if device.type == "cuda":
             self._pin(board.raw)
         self.board = board
+        self._boards.append(board)
         return board
 
     def _pin(self, raw: torch.Tensor) -> None:
@@ -227,6 +236,16 @@ class GrammarProcess:
             self._pinned = None
         with self._lock:
             self._finalizer()
+
+
+def _release_on_exit(sentinel: int, boards: list[GrammarBoard]) -> None:
+    """A watcher thread per child: once it exits, its boards' ``DONE`` is released at once. The
+    rank's threads notice a dead child only when they next talk to it (``_dead``); a stream
+    waiting for the child's rows must not wait for that, as a thread may itself be waiting for
+    that stream. The gates released this way find their areas stamped with other gates."""
+    wait([sentinel])
+    for board in boards:
+        board.set(DONE, RELEASED)
 
 
 def _stop(conn: Connection, process: BaseProcess) -> None:

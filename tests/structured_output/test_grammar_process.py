@@ -245,3 +245,24 @@ def test_a_steady_batch_sends_its_commits_and_jobs_once(smollm2_dir, monkeypatch
         assert [args[1] is None for _, args, _ in sent] == [False, True, False]
     finally:
         process.shutdown()
+
+
+def test_a_child_that_exits_releases_its_board_at_once(smollm2_dir):
+    """No stream waits on a dead child until a rank thread next talks to it (that thread may
+    itself be waiting for the stream): its exit alone releases ``DONE``."""
+    from atom.structured_output.grammar_board import DONE, RELEASED
+    from atom.structured_output.grammar_process import GrammarProcess
+
+    options = {"vocab_size": 49152, "stop_token_ids": [2], "threads": 1, "whitespace": "space"}
+    process = GrammarProcess(str(smollm2_dir), options, timeout_s=30)
+    try:
+        board = process.map_board(4, 4, torch.device("cpu"))
+        assert board.get(DONE) == 0
+        os.kill(process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while board.get(DONE) != RELEASED and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert board.get(DONE) == RELEASED
+        assert process.dead_reason is None  # nothing here talked to the child
+    finally:
+        process.shutdown()
