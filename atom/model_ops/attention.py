@@ -2,7 +2,8 @@
 
 New K/V rows are written into the paged cache at `slot_mapping` (given the model's rotary
 embedding, the CUDA path rotates q and k in the kernel that writes the cache: one launch fewer
-per layer), then each sequence attends to its own blocks only. Two implementations of the same semantics:
+per layer), then each sequence attends to its own blocks only. Two implementations of the same
+semantics:
 
 - CUDA: the Triton kernels of `atom.model_ops.paged_attention`, which read each sequence's
   blocks in place. Decode-only steps (`max_query_len == 1`) use the decode kernel, whose launch

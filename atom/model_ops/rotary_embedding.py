@@ -3,9 +3,10 @@
 cos/sin are precomputed once for every position, so a flattened batch of sequences at different
 offsets costs one gather. Non-default RoPE types reuse transformers' frequency initializers.
 
-On CUDA one Triton kernel (`atom.model_ops.fused_kernels`) rotates q and k together, reading them
-straight from their strided views of the qkv projection (no copy first); elsewhere (the reference, and what CI runs) the
-PyTorch code below does, and triton is never imported.
+On CUDA one Triton kernel (`atom.model_ops.fused_kernels`) rotates q and k together, reading
+them straight from their strided views of the qkv projection (no copy first); with paged
+attention (`rotate_and_store_kv`) that kernel also writes k and v into the KV cache. Elsewhere
+(the reference, and what CI runs) the PyTorch code below does, and triton is never imported.
 """
 
 from __future__ import annotations

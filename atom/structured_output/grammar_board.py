@@ -13,8 +13,9 @@ sampled ids here for the child to commit. Three 64-bit counters say how far each
 
 The counters only grow. The rank sets ``DONE`` to ``RELEASED`` when the child fails or the rank
 shuts down, so a stream never waits for a child that is gone; a gate released that way finds
-an area stamped with another gate (``row_index``), whose rows then mask nothing. The mapping is one file in
-``/dev/shm``, page-locked in the rank on CUDA, so the stream reads and writes it directly.
+an area stamped with another gate (``row_index``), whose rows then mask nothing. The mapping is
+one file in ``/dev/shm``, page-locked in the rank on CUDA, so the stream reads and writes it
+directly.
 """
 
 from __future__ import annotations
