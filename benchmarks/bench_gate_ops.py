@@ -54,7 +54,7 @@ def _timed(fn: Callable[[], object], iters: int) -> float:
 def measure(rows: int, iters: int, conn) -> dict[str, float]:
     """Each of a gate's engine-thread operations at ``rows`` constrained rows."""
     from atom.model_ops.triton_structured_output import apply_token_bitmask_inplace
-    from atom.structured_output.stream_flags import stream_wait, stream_write
+    from atom.structured_output.stream_flags import current_stream_handle, stream_wait, stream_write
 
     dev = torch.device("cuda")
     ring_at = 64 + rows * WORDS * 4 + -(-(rows + 1) * 4 // 64) * 64  # 64-byte aligned
@@ -70,7 +70,7 @@ def measure(rows: int, iters: int, conn) -> dict[str, float]:
     dev_rows, dev_index = host_rows.to(dev), host_index.to(dev)  # valid rows before the kernel
     logits = torch.randn(rows, VOCAB, device=dev, dtype=torch.bfloat16)
     sampled = torch.zeros(rows, dtype=torch.int64, device=dev)
-    stream = torch.cuda.current_stream(dev)
+    stream = current_stream_handle(dev)
     rids = [f"chatcmpl-{uuid.uuid4().hex}" for _ in range(rows)]
     message = ("gate", (7, [(r, [-1], (6, i)) for i, r in enumerate(rids)],
                         [(i, r, [], i) for i, r in enumerate(rids)], 30.0), True)  # fmt: skip
@@ -79,12 +79,15 @@ def measure(rows: int, iters: int, conn) -> dict[str, float]:
     def stale() -> None:
         dev_rows.masked_fill_(dev_index[-1:].ne(7).unsqueeze(1), -1)
 
+    stamp = (dev_index[-1:], 0)  # the kernel's own stale check, in place of ``stale``
+
     def pipe_round_trip() -> None:
         conn.send(message)
         conn.recv()
 
     ops = {
         "current_stream": lambda: torch.cuda.current_stream(dev),
+        "current_stream_handle": lambda: current_stream_handle(dev),
         "pickle_message": lambda: pickle.dumps(message),
         "pipe_send_and_answer": pipe_round_trip,
         "stream_wait": lambda: stream_wait(stream, counter, 0),
@@ -93,6 +96,9 @@ def measure(rows: int, iters: int, conn) -> dict[str, float]:
         "stream_write": lambda: stream_write(stream, counter, 0),
         "stale_fill": stale,
         "mask_kernel": lambda: apply_token_bitmask_inplace(logits, dev_rows, dev_index[:rows]),
+        "mask_kernel_stamped": lambda: apply_token_bitmask_inplace(
+            logits, dev_rows, dev_index[:rows], stamp
+        ),
         "ids_cast_int32": lambda: sampled.to(torch.int32),
         "ids_copy_to_ring": lambda: ring[:rows].copy_(sampled.to(torch.int32), non_blocking=True),
         "ids_copy_int64": lambda: (

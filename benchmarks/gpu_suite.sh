@@ -31,6 +31,10 @@
 #   bash benchmarks/gpu_suite.sh gates_serving (bench_serving, then the mostly-allowed
 #                                          structured-output overhead; about 6 minutes)
 #   bash benchmarks/gpu_suite.sh gates_profile (host segments of a step with gates; ~3 minutes)
+#   bash benchmarks/gpu_suite.sh hooks_profile (the same at batch 64 and 256, with the engine
+#                                          thread's functions under cProfile; ~3 minutes)
+#   bash benchmarks/gpu_suite.sh threads_profile (the host's cores; the same at 2, 4, 8 and 15
+#                                          llguidance threads in the grammar process; ~5 min)
 #   BASELINE=.baseline bash benchmarks/gpu_suite.sh decode_ab (the kernels' GPU tests, decode
 #                                          ms/step of another checkout's atom against this one's,
 #                                          alternated twice, then the gate operations; ~8 minutes)
@@ -239,6 +243,21 @@ gates_profile() {  # where a constrained step's time goes with gates: the engine
         --batch-sizes 16 64 256 --schemas mostly-forbidden --steps 16 --profile-steps 2 \
         --grammar-process on --tag gates --out $out
 }
+hooks_profile() {  # the engine thread's Python, function by function (cProfile), plain and
+    # constrained, beside the segments and the grammar process's time per gate
+    step profile_hooks 200 python3 benchmarks/profile_step.py --random-llama-1b --device cuda \
+        --batch-sizes 64 256 --schemas mostly-forbidden --steps 16 --profile-steps 2 \
+        --cprofile-steps 16 --grammar-process on --tag hooks --out $out
+}
+threads_profile() {  # the host's cores, then gates_profile at batch 64 and 256 with the
+    # grammar process's llguidance executor on 2, 4, 8 and 15 threads
+    step topology 10 bash -c 'lscpu; grep . /sys/devices/system/cpu/cpu*/topology/thread_siblings_list'
+    for t in 2 4 8 15; do
+        step profile_threads_$t 110 python3 benchmarks/profile_step.py --random-llama-1b \
+            --device cuda --batch-sizes 64 256 --schemas mostly-forbidden --steps 24 \
+            --profile-steps 2 --grammar-process on --grammar-threads $t --tag threads_$t --out $out
+    done
+}
 decode_ab() {  # before/after decode: BASELINE (another checkout's folder holding its atom,
     # carried) and this checkout, both through this bench_engine.py, alternated twice
     step pytest_kernels 200 python3 -m pytest -q -m gpu --durations=5 tests/model_ops \
@@ -256,8 +275,9 @@ decode_ab() {  # before/after decode: BASELINE (another checkout's folder holdin
 }
 gates_ab() {  # gates before/after: BASELINE (another checkout's folder holding its atom,
     # carried) and this checkout, both through this bench_structured_serving.py
-    step pytest_gates 150 python3 -m pytest -q -m gpu --durations=5 tests/spec_decode \
-        tests/structured_output/test_grammar_process.py tests/model_engine/test_cuda_graph.py
+    step pytest_gates 180 python3 -m pytest -q -m gpu --durations=5 tests/spec_decode \
+        tests/structured_output/test_grammar_process.py tests/model_engine/test_cuda_graph.py \
+        tests/model_ops/test_triton_structured_output.py
     step gate_ops 45 python3 benchmarks/bench_gate_ops.py --rows 1 64 256 --iters 300 --out $out
     for round in $(seq ${ROUNDS:-2}); do
         for side in baseline current; do
@@ -282,5 +302,5 @@ gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-"${1:?bench, check, decode_ab, gates_ab, gates_check, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile or final}"
+"${1:?bench, check, decode_ab, gates_ab, gates_check, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 tail -n 200 $out/summary.log

@@ -13,7 +13,10 @@ engine thread's and `child_gate_ms` / `child_wait_ms` the grammar process's own 
 working and waiting for the stream.
 
 Prints a table of milliseconds per step; writes benchmarks/results/profile_step_{device}.json
-and, with `--trace`, a gzipped Chrome trace per setting under `--trace-dir`.
+and, with `--trace`, a gzipped Chrome trace per setting under `--trace-dir`. With
+`--cprofile-steps N`, N more full-batch steps run under `cProfile` on the engine thread (the
+grammar process is not profiled), and the functions taking the most of it, by their own time
+per step (µs, inflated by the profiler's own cost per call), go into the JSON and the log.
     python benchmarks/profile_step.py --random-llama-1b --device cuda
 """
 
@@ -173,7 +176,7 @@ def run_setting(
     child = ChildTiming(engine)
     timer = bss.StepTimer(engine)
     bss.add_requests(engine, prompts, specs, args)
-    n, walls, profiled = len(prompts), [], None
+    n, walls, profiled, functions = len(prompts), [], None, None
     while engine.has_unfinished_requests():
         full = timer.full_decode(n)
         if full and len(walls) < args.steps:
@@ -190,6 +193,8 @@ def run_setting(
             segments.annotate = True
             profiled = profile(engine, args.profile_steps, trace)
             segments.annotate = False
+        elif full and functions is None and args.cprofile_steps:
+            functions = python_profile(engine, args.cprofile_steps)
         else:
             engine.step()
     if torch.cuda.is_available():
@@ -202,7 +207,27 @@ def run_setting(
     out.update(child.per_step_ms())
     if profiled is not None:
         out.update(profiled)
+    if functions is not None:
+        out["cprofile_us_per_step"] = functions
     return out
+
+
+def python_profile(engine: Any, num_steps: int, top: int = 40) -> dict[str, float]:
+    """`num_steps` steps under cProfile: the `top` functions by own time, µs per step."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(num_steps):
+        engine.step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, ncalls, tottime, ...)
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {
+        f"{Path(f).name}:{line}:{name} x{nc / num_steps:g}": 1e6 * tt / num_steps
+        for (f, line, name), (_, nc, tt, _, _) in ranked
+    }
 
 
 def profile(engine: Any, num_steps: int, trace: Path | None) -> dict:
@@ -243,7 +268,11 @@ def make_engine(args: argparse.Namespace) -> Any:
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = sorted({k for r in rows for k in r} - {"batch", "setting", "steps"})
+    for r in rows:
+        for name, us in r.get("cprofile_us_per_step", {}).items():
+            print(f"cprofile b{r['batch']} {r['setting']}: {us:8.1f} µs/step {name}")
+    skip = {"batch", "setting", "steps", "cprofile_us_per_step"}
+    cols = sorted({k for r in rows for k in r} - skip)
     print("ms per full-batch decode step (segments nest; see the docstring)")
     print(f"{'batch':>5} {'setting':<18}" + "".join(f"{c[:14]:>15}" for c in cols))
     for r in rows:
@@ -263,6 +292,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--schemas", nargs="+", default=["free-string", "mostly-forbidden"])
     ap.add_argument("--steps", type=int, default=24, help="timed full-batch steps")
     ap.add_argument("--profile-steps", type=int, default=6)
+    ap.add_argument("--cprofile-steps", type=int, default=0, help="steps under cProfile")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--grammar-threads", type=int, default=None, help="llguidance executor")

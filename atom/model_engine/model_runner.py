@@ -320,52 +320,50 @@ class ModelRunner:
         out = self._sample(step, {})
         assert isinstance(out, DeferredOutput)
         worker.publish(gate, out.token_ids)
-        constrained = [s.seq_id for s in step.seqs if s.params.structured_output is not None]
         out.gate = gate
-        out.pending_errors = partial(worker.gate_errors, gate, constrained)
+        out.pending_errors = partial(worker.gate_errors, gate, step.seqs)
         return out
 
     def _gate_commits(self, batch: ScheduledBatch) -> list[GateCommit]:
         """The batch's grammar updates for a gate: a placeholder's source is the ring row of the
         gate that sampled it, counted back from the next gate (a step sampled without a gate is
-        read here, waiting for it)."""
-        seq_ids = {s.request_id: s.seq_id for s in batch.seqs}
-        next_gate = self.structured_output.next_gate
+        read here, waiting for it). Runs every constrained step, once per constrained request."""
+        next_gate, sampled_in = self.structured_output.next_gate, self._sampled_in
         commits: list[GateCommit] = []
         for u in batch.grammar_updates:
-            tokens, source = list(u.new_token_ids), None
-            if PLACEHOLDER in tokens:
-                seq_id = seq_ids[u.request_id]
-                out = self._sampled_in[seq_id]
-                if isinstance(out, DeferredOutput) and out.gate is not None:
-                    source = (next_gate - out.gate, out.rows[seq_id])
-                else:
-                    sampled = out.tokens_of(seq_id)
-                    tokens = [x for t in tokens for x in (sampled if t == PLACEHOLDER else (t,))]
-            commits.append((u.request_id, tokens, source))
+            tokens = u.new_token_ids  # the scheduler's own slice: nothing else holds it
+            if PLACEHOLDER not in tokens:
+                commits.append((u.request_id, tokens, None))
+                continue
+            out = sampled_in[u.seq_id]
+            if isinstance(out, DeferredOutput) and out.gate is not None:
+                commits.append((u.request_id, tokens, (next_gate - out.gate, out.rows[u.seq_id])))
+            else:
+                sampled = out.tokens_of(u.seq_id)
+                tokens = [x for t in tokens for x in (sampled if t == PLACEHOLDER else (t,))]
+                commits.append((u.request_id, tokens, None))
         return commits
 
     def _grammar_updates(self, batch: ScheduledBatch) -> Callable[[], list[GrammarUpdate]]:
         """The batch's grammar updates as a function for the grammar thread: there each
         placeholder becomes the token this rank sampled for it, read from its step's host copy
         (which may wait for that copy, on that thread). The steps are looked up here, now."""
-        seq_ids = {s.request_id: s.seq_id for s in batch.seqs}
         known: list[tuple[GrammarUpdate, DeferredOutput | VerifiedOutput | None]] = []
         for u in batch.grammar_updates:
             source = None
             if PLACEHOLDER in u.new_token_ids:
-                source = self._sampled_in[seq_ids[u.request_id]]
+                source = self._sampled_in[u.seq_id]
             known.append((u, source))
 
         def resolve() -> list[GrammarUpdate]:
             updates = []
             for u, source in known:
                 if source is not None:
-                    sampled = source.tokens_of(seq_ids[u.request_id])
+                    sampled = source.tokens_of(u.seq_id)
                     tokens = [
                         x for t in u.new_token_ids for x in (sampled if t == PLACEHOLDER else (t,))
                     ]
-                    u = GrammarUpdate(u.request_id, tokens)
+                    u = GrammarUpdate(u.request_id, tokens, u.seq_id)
                 updates.append(u)
             return updates
 

@@ -39,6 +39,7 @@ class GrammarUpdate:
 
     request_id: str
     new_token_ids: list[int]
+    seq_id: int  # the sequence whose placeholder a new token may be (``PLACEHOLDER``)
 
 
 @dataclass
@@ -248,7 +249,7 @@ class Scheduler:
         new = seq.token_ids[seq.num_prompt_tokens + seq.num_grammar_acked :]
         if new:
             seq.num_grammar_acked += len(new)
-            batch.grammar_updates.append(GrammarUpdate(seq.request_id, new))
+            batch.grammar_updates.append(GrammarUpdate(seq.request_id, new, seq.seq_id))
 
     def update(
         self,

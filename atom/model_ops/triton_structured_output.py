@@ -9,6 +9,10 @@ Semantics (shared by both paths, matching llguidance's bitmask layout):
   mask buffer can therefore be compact (one row per constrained target/bonus row).
 - Forbidden logits become ``-inf``; allowed logits keep their values.
 - Logit columns at or past ``32 * W`` (an LM head wider than the grammar vocabulary) are forbidden.
+- With ``stamp`` (a one-element int32 tensor and an expected value) the rows apply only if the
+  tensor holds that value when the kernel runs; otherwise no logit changes. A grammar process's
+  rows carry such a stamp (``structured_output.grammar_board``), checked here on the device
+  instead of in two more launches.
 
 The kernel never expands a vocabulary-sized Boolean tensor and never gathers complete logit rows.
 Each program takes tiles of mask words of one row and picks, per tile, one of two paths:
@@ -72,11 +76,20 @@ def _check(logits: torch.Tensor, bitmask: torch.Tensor, row_indices: torch.Tenso
     return n
 
 
+# An optional condition on a launch: (a one-element int32 tensor, the value it must hold).
+Stamp = tuple[torch.Tensor, int]
+
+
 def apply_token_bitmask_inplace_reference(
-    logits: torch.Tensor, bitmask: torch.Tensor, row_indices: torch.Tensor | None = None
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    row_indices: torch.Tensor | None = None,
+    stamp: Stamp | None = None,
 ) -> None:
     """CPU reference (and the CPU execution path): one row at a time, bits unpacked per row."""
     n = _check(logits, bitmask, row_indices)
+    if stamp is not None and int(stamp[0].item()) != stamp[1]:
+        return
     vocab = logits.shape[1]
     covered = min(vocab, 32 * bitmask.shape[1])
     rows = range(n) if row_indices is None else row_indices.tolist()
@@ -232,7 +245,7 @@ if triton is not None:
                 tl.store(erow + tok, ninf, mask=(x != 0) & (tok < vocab_e))
                 x = x ^ low
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["expected"])  # a new value each gate: never a constant
     def _bitmask_kernel(
         logits_ptr,
         bitmask_ptr,
@@ -242,6 +255,8 @@ if triton is not None:
         logits_stride,
         bitmask_stride,
         lut_ptr,
+        stamp_ptr,
+        expected,
         PROGS_PER_ROW: tl.constexpr,
         HAS_ROWS: tl.constexpr,
         BLOCK_W: tl.constexpr,
@@ -254,6 +269,7 @@ if triton is not None:
         NINF32: tl.constexpr,
         SPARSE_K: tl.constexpr,
         EAGER: tl.constexpr,
+        HAS_STAMP: tl.constexpr,
     ):
         # 1-D grid, tile-major within a row: neighbouring programs stream neighbouring memory.
         # With SPARSE_K, each tile first checks (one reduction) whether every word forbids at
@@ -261,7 +277,12 @@ if triton is not None:
         # vector, in SUB dense sub-tiles of BLOCK_W words (the same registers as one).
         # PROGS_PER_ROW is a constant so that this division is a multiply, not ~30 instructions
         # (a large share of a sparse tile's work).
+        # HAS_STAMP: a stale stamp empties the row (no word, no column), so nothing is stored.
         pid = tl.program_id(0)
+        if HAS_STAMP:
+            live = tl.load(stamp_ptr) == expected
+            vocab = tl.where(live, vocab, 0)
+            n_words = tl.where(live, n_words, 0)
         i = pid // PROGS_PER_ROW
         t0 = (pid % PROGS_PER_ROW) * TILES
         if HAS_ROWS:
@@ -346,6 +367,7 @@ def apply_token_bitmask_inplace_triton(
     logits: torch.Tensor,
     bitmask: torch.Tensor,
     row_indices: torch.Tensor | None = None,
+    stamp: Stamp | None = None,
     *,
     config: KernelConfig | None = None,
 ) -> None:
@@ -359,6 +381,7 @@ def apply_token_bitmask_inplace_triton(
     if row_indices is not None and not row_indices.is_contiguous():
         row_indices = row_indices.contiguous()
     rows = row_indices if row_indices is not None else bitmask
+    stamp_at, expected = stamp if stamp is not None else (bitmask, 0)
     key = (
         n,
         logits.shape,
@@ -372,21 +395,24 @@ def apply_token_bitmask_inplace_triton(
         logits.data_ptr() % 16,  # Triton specializes on 16-byte alignment; packing needs 4
         bitmask.data_ptr() % 16 == 0,
         rows.data_ptr() % 16 == 0,
+        stamp is not None,
+        stamp_at.data_ptr() % 16 == 0,
     )
     launch = _LAUNCHES.get(key)
     if launch is None:
-        launch = _first_launch(logits, bitmask, row_indices, n, config)
+        launch = _first_launch(logits, bitmask, row_indices, stamp, n, config)
         if len(_LAUNCHES) >= 256:
             _LAUNCHES.clear()
         _LAUNCHES[key] = launch
     else:
-        launch(logits, bitmask, rows)
+        launch(logits, bitmask, rows, stamp_at, expected)
 
 
 def _first_launch(
     logits: torch.Tensor,
     bitmask: torch.Tensor,
     row_indices: torch.Tensor | None,
+    stamp: Stamp | None,
     n: int,
     config: KernelConfig | None,
 ) -> Callable[..., None]:
@@ -417,22 +443,26 @@ def _first_launch(
         _NINF32[logits.dtype] if packed else 0,
         cfg.sparse_k,
         bool(cfg.eager),
+        stamp is not None,
     )
     grid = n * progs_per_row
 
-    def args(lg: torch.Tensor, bm: torch.Tensor, rows: torch.Tensor) -> tuple:
-        return (lg, bm, rows, *head, bm if lut is None else lut, *consts)
+    def args(lg: torch.Tensor, bm: torch.Tensor, rows: torch.Tensor, at: torch.Tensor, value: int):
+        return (lg, bm, rows, *head, bm if lut is None else lut, at, value, *consts)
 
     rows = row_indices if row_indices is not None else bitmask
+    stamp_at, expected = stamp if stamp is not None else (bitmask, 0)
     options = {"num_warps": cfg.warps} | ({"maxnreg": cfg.max_regs} if cfg.max_regs else {})
-    compiled = _bitmask_kernel[(grid,)](*args(logits, bitmask, rows), **options)
+    compiled = _bitmask_kernel[(grid,)](*args(logits, bitmask, rows, stamp_at, expected), **options)
     if isinstance(_bitmask_kernel, InterpretedFunction):
-        return lambda lg, bm, rows: _bitmask_kernel[(grid,)](*args(lg, bm, rows))
+        return lambda *a: _bitmask_kernel[(grid,)](*args(*a))
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
     current_stream = triton.runtime.driver.active.get_current_stream
     device = logits.device.index
 
-    def launch(lg: torch.Tensor, bm: torch.Tensor, rows: torch.Tensor) -> None:
+    def launch(
+        lg: torch.Tensor, bm: torch.Tensor, rows: torch.Tensor, at: torch.Tensor, value: int
+    ) -> None:
         # Triton's launcher: grid, stream, kernel, metadata, no launch hooks, the arguments.
         run(
             grid,
@@ -444,17 +474,20 @@ def _first_launch(
             None,
             None,
             None,
-            *args(lg, bm, rows),
+            *args(lg, bm, rows, at, value),
         )
 
     return launch
 
 
 def apply_token_bitmask_inplace(
-    logits: torch.Tensor, bitmask: torch.Tensor, row_indices: torch.Tensor | None = None
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    row_indices: torch.Tensor | None = None,
+    stamp: Stamp | None = None,
 ) -> None:
     """Mask ``logits`` in place: the Triton kernel on CUDA, the reference elsewhere."""
     if logits.is_cuda:
-        apply_token_bitmask_inplace_triton(logits, bitmask, row_indices)
+        apply_token_bitmask_inplace_triton(logits, bitmask, row_indices, stamp)
     else:
-        apply_token_bitmask_inplace_reference(logits, bitmask, row_indices)
+        apply_token_bitmask_inplace_reference(logits, bitmask, row_indices, stamp)

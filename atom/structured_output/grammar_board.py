@@ -27,13 +27,27 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["COPIED", "DONE", "RELEASED", "TOKENS", "GrammarBoard", "GrammarBoardTimeout"]
+__all__ = [
+    "COPIED",
+    "DONE",
+    "RELEASED",
+    "TOKENS",
+    "GrammarBoard",
+    "GrammarBoardTimeout",
+    "stamp_of",
+]
 
 TOKENS, DONE, COPIED = 0, 1, 2
 RELEASED = 1 << 62  # past every gate: a stream waiting on DONE goes on
 RING_SLOTS = 4  # gates whose sampled ids the ring keeps; a step reads only the previous gate's
 _FLAG_BYTES = 64
 _SPIN_S = 0.002  # a host wait spins (yielding) this long before it sleeps between looks
+
+
+def stamp_of(gate: int) -> int:
+    """The stamp an area holds once ``gate``'s rows are in it: the gate's number as an int32
+    entry (it wraps after 2**31 gates; two gates one area apart never share it)."""
+    return gate & 0x7FFFFFFF
 
 
 class GrammarBoardTimeout(TimeoutError):
@@ -92,7 +106,8 @@ class GrammarBoard:
 
     def row_index(self, gate: int) -> torch.Tensor:
         """``[max_rows + 1]`` int32 of ``gate``'s area: the logits row of each mask row, then
-        the stamp (``index[max_rows]``): the gate whose rows the area holds, written last. A
+        the stamp (``index[max_rows]``, ``stamp_of``): the gate whose rows the area holds,
+        written last. A
         gate released without its rows (a failed or dead child) finds another stamp there, and
         its rows are not applied: they would be another step's, whose row index may point at
         an unconstrained neighbour."""

@@ -40,7 +40,14 @@ import numpy as np
 import torch
 
 from atom.model_engine.sequence import PLACEHOLDER
-from atom.structured_output.grammar_board import COPIED, DONE, RELEASED, TOKENS, GrammarBoard
+from atom.structured_output.grammar_board import (
+    COPIED,
+    DONE,
+    RELEASED,
+    TOKENS,
+    GrammarBoard,
+    stamp_of,
+)
 
 __all__ = ["GrammarProcess", "GrammarProcessError", "Ticket"]
 
@@ -343,7 +350,7 @@ class _Grammars:
         rows, index, n = board.rows(gate), board.row_index(gate).numpy(), filled.num_rows
         rows[n : n + len(unmasked)] = -1
         index[: n + len(unmasked)] = filled.logits_rows + unmasked
-        index[-1] = gate  # the stamp, last: the area holds this gate's rows
+        index[-1] = stamp_of(gate)  # last: the area holds this gate's rows
         return filled.errors
 
     def gate_timing(self) -> tuple[int, float, float]:

@@ -5,6 +5,10 @@ These are the driver's stream memory operations (``cuStreamWaitValue64``,
 wait holds back the work queued after it on that stream until the host (or another stream)
 has raised the counter; a write lands after the work queued before it, with a memory fence, so
 whoever sees the new value also sees what that work wrote. Used by ``grammar_board``.
+
+Streams are passed as their driver handles (``current_stream_handle``): a gate needs the handle
+only, and building torch's ``Stream`` object for it took 9 µs of the engine thread per gate on
+the H200's host (benchmarks/bench_gate_ops.py).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["stream_wait", "stream_write"]
+__all__ = ["current_stream_handle", "stream_wait", "stream_write"]
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int64)(*addr - value) >= 0
 _WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: fenced after the stream's earlier work
@@ -54,15 +58,25 @@ def _check(code: int, what: str) -> None:
         raise RuntimeError(f"CUDA driver error {code} in {what}")
 
 
-def stream_wait(stream: torch.cuda.Stream, host_address: int, value: int) -> None:
-    """Work queued on ``stream`` after this waits until the counter reaches ``value``."""
+def current_stream_handle(device: torch.device) -> int:
+    """The driver handle of the calling thread's current stream on ``device`` (what
+    ``torch.cuda.current_stream(device).cuda_stream`` is, without building the object; the
+    same call Triton's launcher makes)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+def stream_wait(stream: int, host_address: int, value: int) -> None:
+    """Work queued on stream handle ``stream`` after this waits until the counter reaches
+    ``value``."""
     wait, _, _ = _driver()
     address = _device_address(host_address)
-    _check(wait(stream.cuda_stream, address, value, _WAIT_GEQ), "cuStreamWaitValue64")
+    _check(wait(stream, address, value, _WAIT_GEQ), "cuStreamWaitValue64")
 
 
-def stream_write(stream: torch.cuda.Stream, host_address: int, value: int) -> None:
-    """Once the work queued on ``stream`` before this is done, the counter becomes ``value``."""
+def stream_write(stream: int, host_address: int, value: int) -> None:
+    """Once the work queued on stream handle ``stream`` before this is done, the counter
+    becomes ``value``."""
     _, write, _ = _driver()
     address = _device_address(host_address)
-    _check(write(stream.cuda_stream, address, value, _WRITE_DEFAULT), "cuStreamWriteValue64")
+    _check(write(stream, address, value, _WRITE_DEFAULT), "cuStreamWriteValue64")

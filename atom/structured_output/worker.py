@@ -43,11 +43,17 @@ from atom import envs
 from atom.config import EngineConfig
 from atom.model_engine.tokenizer import eos_token_ids, load_tokenizer
 from atom.model_ops.embed_head import ParallelLMHead
-from atom.structured_output.grammar_board import COPIED, DONE, TOKENS, GrammarBoardTimeout
+from atom.structured_output.grammar_board import (
+    COPIED,
+    DONE,
+    TOKENS,
+    GrammarBoardTimeout,
+    stamp_of,
+)
 from atom.structured_output.grammar_process import GrammarProcess, GrammarProcessError, Ticket
 from atom.structured_output.grammar_rows import GrammarRows, RowJob, fill_rows
 from atom.structured_output.manager import AdmissionResult, StructuredOutputManager
-from atom.structured_output.stream_flags import stream_wait, stream_write
+from atom.structured_output.stream_flags import current_stream_handle, stream_wait, stream_write
 from atom.structured_output.utils import MaskBuffers, num_mask_words
 
 if TYPE_CHECKING:
@@ -103,7 +109,7 @@ class StructuredOutputWorker:
         self._mask_buffers: MaskBuffers | None = None  # allocated by the first mask
         self._gate = 0  # the last gate sent to the grammar process
         self._gate_area: torch.Tensor | None = None  # CUDA: a gate's area copied to the device
-        self._stream: torch.cuda.Stream | None = None  # CUDA: the last gate's stream
+        self._stream: int | None = None  # CUDA: the last gate's stream (its driver handle)
         self._stream_flags: bool | None = None  # whether the stream waits work (``gates``)
         # ``prepare`` sent to a busy grammar process: the ticket and items of the ask in flight,
         # and answers not yet given to the engine, by request id (``_prepare_in_process``).
@@ -345,9 +351,9 @@ class StructuredOutputWorker:
             self._mask_buffers = self._new_mask_buffers(logits.shape[1])
         process, board = self.process, self.process.board
         if self.device.type == "cuda":  # publish's too, even for a gate that was not sent
-            self._stream = torch.cuda.current_stream(self.device)
+            self._stream = current_stream_handle(self.device)
         self._gate += 1
-        gate, jobs = self._gate, self._jobs(seqs, [[]] * len(seqs))
+        gate, jobs = self._gate, self._jobs(seqs)
         try:
             process.send_gate(gate, commits, jobs)
         except GrammarProcessError:
@@ -359,7 +365,7 @@ class StructuredOutputWorker:
             with contextlib.suppress(GrammarBoardTimeout):  # gate_errors reports the child
                 board.wait(DONE, gate, self.config.worker_timeout_s, process.alive)
                 index = board.row_index(gate)
-                if int(index[-1]) == gate:  # not released without its rows
+                if int(index[-1]) == stamp_of(gate):  # not released without its rows
                     apply_token_bitmask_inplace(logits, board.rows(gate)[:n], index[:n])
             board.set(COPIED, gate)
             return gate
@@ -370,10 +376,10 @@ class StructuredOutputWorker:
         stream_write(stream, board.address(COPIED), gate)
         rows = area[board.index_words :].view(n, board.num_words)
         # Rows of a gate released without them (a failed or dead child) are another step's,
-        # whose row index may point at an unconstrained neighbour: they then allow everything.
-        stamp = area[board.max_rows : board.max_rows + 1]
-        rows.masked_fill_(stamp.ne(gate).unsqueeze(1), -1)
-        apply_token_bitmask_inplace(logits, rows, area[:n])
+        # whose row index may point at an unconstrained neighbour: the kernel then masks
+        # nothing, as the area's stamp is not this gate's.
+        stamp = (area[board.max_rows : board.max_rows + 1], stamp_of(gate))
+        apply_token_bitmask_inplace(logits, rows, area[:n], stamp)
         return gate
 
     def publish(self, gate: int, token_ids: torch.Tensor) -> None:
@@ -388,18 +394,24 @@ class StructuredOutputWorker:
         slot.copy_(token_ids, non_blocking=True)
         stream_write(self._stream, board.address(TOKENS), gate)
 
-    def gate_errors(self, gate: int, constrained: list[int]) -> dict[int, str]:
+    def gate_errors(self, gate: int, seqs: list[Sequence]) -> dict[int, str]:
         """A gate's structured-output errors by sequence id (waits for the child's answer:
         read before the gate's sampled ids, which wait for its rows); if the child failed, all
-        of ``constrained`` (the gate's constrained sequences) fail."""
+        the constrained among ``seqs`` (the gate's sampling sequences) fail."""
         try:
             return self.process.answer_of(("gate", gate))
         except GrammarProcessError as e:
-            return {seq_id: str(e) for seq_id in constrained}
+            return {s.seq_id: str(e) for s in seqs if s.params.structured_output is not None}
 
-    def _jobs(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[RowJob]:
+    def _jobs(self, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> list[RowJob]:
         """The constrained requests among ``seqs`` (in logits row order; sequence i has
-        ``1 + len(drafts[i])`` rows), as ``fill_rows`` takes them."""
+        ``1 + len(drafts[i])`` rows, one without ``drafts``), as ``fill_rows`` takes them."""
+        if drafts is None:  # one pass: a gate's, every constrained step
+            return [
+                (s.seq_id, s.request_id, [], i)
+                for i, s in enumerate(seqs)
+                if s.params.structured_output is not None
+            ]
         jobs: list[RowJob] = []
         row = 0  # the logits row of sequence i's first row
         for seq, seq_drafts in zip(seqs, drafts, strict=True):
@@ -459,7 +471,7 @@ def _stream_flags_work(device: torch.device) -> bool:
     stream memory operations); if not, a grammar process's steps wait for their rows."""
     counter = torch.zeros(1, dtype=torch.int64, pin_memory=True)
     try:
-        stream_write(torch.cuda.current_stream(device), counter.data_ptr(), 1)
+        stream_write(current_stream_handle(device), counter.data_ptr(), 1)
         torch.cuda.synchronize(device)
     except RuntimeError:
         logger.warning("structured output: no stream memory operations; steps wait for rows")

@@ -85,6 +85,20 @@ CHECK = textwrap.dedent(
                            config=config)
                     assert torch.equal(got.cpu(), want), (vocab, words, rows, dtype, config)
                     cases += 1
+                # A stamp: its value masks as before; another one masks nothing, even with a
+                # row index out of range (a stale area's).
+                stamp = torch.tensor([7], dtype=torch.int32)
+                got = logits.to(device)
+                kernel(got, mask.to(device), None if idx is None else idx.to(device),
+                       (stamp.to(device), 7))
+                assert torch.equal(got.cpu(), want), ("stamp", vocab, words, rows, dtype)
+                stale = None if idx is None else torch.full_like(idx, 10**6)
+                got, kept = logits.to(device), logits.clone()
+                kernel(got, mask.to(device), None if stale is None else stale.to(device),
+                       (stamp.to(device), 8))
+                ref(kept, mask, stale, (stamp, 8))
+                assert torch.equal(got.cpu(), logits) and torch.equal(kept, logits)
+                cases += 2
     print("cases", cases)
     """
 )
@@ -94,7 +108,7 @@ def test_kernel_matches_reference_interpreted() -> None:
     pytest.importorskip("triton")
     result = run_interpreted(CHECK.format(device="cpu"), timeout_s=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "cases 180" in result.stdout
+    assert "cases 288" in result.stdout
 
 
 @pytest.mark.gpu
