@@ -41,7 +41,9 @@ def _echo(conn) -> None:
 
 
 def _timed(fn: Callable[[], object], iters: int) -> float:
-    """Mean host µs per call of ``fn`` (the device drained before and after)."""
+    """Mean host µs per call of ``fn`` (one untimed call first: a kernel's first launch
+    compiles it; the device drained before and after)."""
+    fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(iters):

@@ -35,6 +35,8 @@
 #                                          thread's functions under cProfile; ~3 minutes)
 #   bash benchmarks/gpu_suite.sh threads_profile (the host's cores; the same at 2, 4, 8 and 15
 #                                          llguidance threads in the grammar process; ~5 min)
+#   BASELINE=.baseline bash benchmarks/gpu_suite.sh structured_ab (gates_ab's before/after
+#                                          structured-output runs alone; ~2 minutes a round)
 #   BASELINE=.baseline bash benchmarks/gpu_suite.sh decode_ab (the kernels' GPU tests, decode
 #                                          ms/step of another checkout's atom against this one's,
 #                                          alternated twice, then the gate operations; ~8 minutes)
@@ -273,12 +275,8 @@ decode_ab() {  # before/after decode: BASELINE (another checkout's folder holdin
     done
     step gate_ops 60 python3 benchmarks/bench_gate_ops.py --out $out
 }
-gates_ab() {  # gates before/after: BASELINE (another checkout's folder holding its atom,
-    # carried) and this checkout, both through this bench_structured_serving.py
-    step pytest_gates 180 python3 -m pytest -q -m gpu --durations=5 tests/spec_decode \
-        tests/structured_output/test_grammar_process.py tests/model_engine/test_cuda_graph.py \
-        tests/model_ops/test_triton_structured_output.py
-    step gate_ops 45 python3 benchmarks/bench_gate_ops.py --rows 1 64 256 --iters 300 --out $out
+structured_ab() {  # the structured-output overhead of BASELINE (another checkout's folder
+    # holding its atom, carried) and of this checkout, alternated ROUNDS times
     for round in $(seq ${ROUNDS:-2}); do
         for side in baseline current; do
             local root=$PWD
@@ -288,6 +286,14 @@ gates_ab() {  # gates before/after: BASELINE (another checkout's folder holding 
                 --schema-kinds mostly-forbidden --repeats ${REPEATS:-2} --tag ${side}_$round --out $out
         done
     done
+}
+gates_ab() {  # gates before/after: BASELINE (another checkout's folder holding its atom,
+    # carried) and this checkout, both through this bench_structured_serving.py
+    step pytest_gates 180 python3 -m pytest -q -m gpu --durations=5 tests/spec_decode \
+        tests/structured_output/test_grammar_process.py tests/model_engine/test_cuda_graph.py \
+        tests/model_ops/test_triton_structured_output.py
+    step gate_ops 45 python3 benchmarks/bench_gate_ops.py --rows 1 64 256 --iters 300 --out $out
+    structured_ab
     step memcheck 110 compute-sanitizer --tool memcheck --print-limit 20 \
         python3 benchmarks/sanitize_engine.py
 }
@@ -302,5 +308,5 @@ gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-"${1:?bench, check, decode_ab, gates_ab, gates_check, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+"${1:?bench, check, decode_ab, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 tail -n 200 $out/summary.log
