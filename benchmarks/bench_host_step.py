@@ -13,7 +13,10 @@ methods of this process's engine instances (nothing in `atom` changes):
   `sampling_tensors` (ModelRunner._sampling_tensors); `host` is their sum, `us/seq` that sum per
   sequence. `update` and `take_output` nest in `read`;
 - compute: `model` (the forward), `logits`, `sample`; `forward` (ModelRunner._forward) holds
-  `build_inputs` and `model`; `step` is the wall time of `LLMEngine.step`.
+  `build_inputs` and `model`; `step` is the wall time of `LLMEngine.step`;
+- garbage collection: `gc` is the time the collector ran during the step (``gc.callbacks``),
+  on whichever segment it interrupted. Its pauses fall in a few steps, which a median hides:
+  `step_mean` and `gc_mean` are means over the timed steps.
 
 Each column is the median over the timed steps, then over `--repeats` runs. With `--baseline
 DIR` (a checkout of the code before the change, e.g. `git worktree add /tmp/atom-base HEAD`)
@@ -27,6 +30,7 @@ its own `atom`, so that the two sides interleave; both must produce the same tok
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -45,7 +49,8 @@ RESULTS = Path(__file__).parent / "results"
 FIRST_ORDINARY_ID = 17  # SmolLM2's ids below it are special tokens
 HOST = ("schedule", "read", "build_inputs", "sampling_tensors")
 NESTED = ("update", "take_output", "forward", "model", "logits", "sample")
-COLUMNS = ("step", *HOST, *NESTED, "host", "us/seq")
+MEANS = ("step_mean", "gc_mean")
+COLUMNS = ("step", *HOST, *NESTED, "host", "us/seq", *MEANS)
 
 
 def save_tiny_llama(folder: Path, vocab_size: int) -> Path:
@@ -111,6 +116,7 @@ def decode_batch(engine: Any, segments: Any, n: int, args: argparse.Namespace) -
     import bench_structured_serving as bss
 
     timer = bss.StepTimer(engine)
+    collecting = GcTimer()
     vocab = range(FIRST_ORDINARY_ID, engine.hf_config.vocab_size)
     prompts = [random.Random(i).choices(vocab, k=args.prompt_tokens) for i in range(n)]
     bss.add_requests(engine, prompts, [None] * n, args)
@@ -119,9 +125,11 @@ def decode_batch(engine: Any, segments: Any, n: int, args: argparse.Namespace) -
     while engine.has_unfinished_requests():
         segments.total.clear()
         segments.on = True
+        collecting.seconds = 0.0
         t0 = time.perf_counter()
         outs = engine.step()
         segments.total["step"] += time.perf_counter() - t0
+        segments.total["gc"] = collecting.seconds
         segments.on = False
         if timer.full_decode(n):
             step = {k: 1000 * v for k, v in segments.total.items()}
@@ -129,10 +137,30 @@ def decode_batch(engine: Any, segments: Any, n: int, args: argparse.Namespace) -
             step["us/seq"] = 1000 * step["host"] / n
             timed.append(step)
         finals.update({o.request_id: o for o in outs if o.finished})
-    row = {k: statistics.median(s.get(k, 0.0) for s in timed) for k in COLUMNS}
+    collecting.close()
+    row = {k: statistics.median(s.get(k, 0.0) for s in timed) for k in COLUMNS if k not in MEANS}
+    row["step_mean"] = statistics.fmean(s["step"] for s in timed)
+    row["gc_mean"] = statistics.fmean(s["gc"] for s in timed)
     ordered = [finals[r] for r in sorted(finals, key=lambda r: int(r[1:]))]
     digest = hashlib.sha256(repr([(o.output_token_ids, o.text) for o in ordered]).encode())
     return {"steps": len(timed), **row, "digest": digest.hexdigest()[:16]}
+
+
+class GcTimer:
+    """Seconds the garbage collector ran since ``seconds`` was last reset."""
+
+    def __init__(self) -> None:
+        self.seconds, self._start = 0.0, 0.0
+        gc.callbacks.append(self._on_phase)
+
+    def _on_phase(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_phase)
 
 
 def run_side(args: argparse.Namespace) -> None:

@@ -20,6 +20,7 @@ from atom.model_engine.errors import ENGINE_DEAD, EngineDeadError
 from atom.model_engine.executor import Executor, InProcExecutor
 from atom.model_engine.output import EngineStats, RequestOutput
 from atom.model_engine.sequence import Sequence
+from atom.model_engine.startup_heap import freeze_startup_heap
 from atom.model_engine.tokenizer import eos_token_ids, load_tokenizer
 from atom.model_loader import resolve_model, served_name
 from atom.model_loader.weights import load_hf_config
@@ -64,6 +65,7 @@ class LLMEngine:
         self._route: dict[str, EngineCore] = {}
         self._constrained: set[str] = set()  # routed requests with a grammar
         self._lock = threading.Lock()
+        freeze_startup_heap()  # the model, the tokenizer and the modules, never collected
 
     @property
     def executor(self) -> Executor:

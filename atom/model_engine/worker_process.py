@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from atom.config import EngineConfig
+from atom.model_engine.startup_heap import freeze_startup_heap
 from atom.model_engine.step_transport import StepUnpacker
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ def run_rank(
         logger.exception("rank %d failed to start", rank)
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
+    freeze_startup_heap()
     conn.send(("ok", None))
     threading.Thread(
         target=_serve_stats, args=(runner, stats_conn), name="atom-rank-stats", daemon=True

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from atom.model_engine.sequence import PLACEHOLDER
+from atom.model_engine.startup_heap import freeze_startup_heap
 from atom.structured_output.grammar_board import (
     COPIED,
     DONE,
@@ -401,6 +402,7 @@ def _serve(conn: Connection, tokenizer: str, manager_options: dict) -> None:
     except Exception as e:  # noqa: BLE001 - reported to the rank, which refuses structured output
         conn.send((False, f"structured output initialization failed: {e!r}"))
         return
+    freeze_startup_heap()  # the tokenizer's and llguidance's objects, scanned by no collection
     conn.send((True, None))
     while True:
         try:

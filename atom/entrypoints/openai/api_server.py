@@ -5,7 +5,6 @@ a running AsyncLLM (tests build apps directly); `run_server` loads the engine an
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 from typing import Any
@@ -41,6 +40,7 @@ from atom.entrypoints.openai.serving_messages import ServingMessages
 from atom.entrypoints.openai.serving_models import ServingModels
 from atom.entrypoints.openai.serving_responses import ServingResponses
 from atom.entrypoints.openai.serving_tokenize import ServingTokenize
+from atom.model_engine.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger("atom.api")
 
@@ -57,15 +57,6 @@ _ANTHROPIC_ERRORS: dict[int | str, dict[str, Any]] = {
 def _disconnected() -> Response:
     # Nobody reads it: the client is gone and its engine request has been aborted.
     return Response(status_code=499)
-
-
-def _freeze_startup_heap() -> None:
-    """Everything alive when serving starts (modules, model, tokenizer: hundreds of thousands of
-    objects) lives as long as the process. Frozen, it drops out of full garbage collections,
-    which otherwise scan it all and stall every thread, the event loop included, for a few
-    hundred milliseconds each time a request's work allocates enough to trigger one."""
-    gc.collect()
-    gc.freeze()
 
 
 def build_app(engine: EngineClient, server_config: ServerConfig | None = None) -> FastAPI:
@@ -85,7 +76,7 @@ def build_app(engine: EngineClient, server_config: ServerConfig | None = None) -
     )
     install_docs(app)
     app.state.serving = serving
-    app.router.on_startup.append(_freeze_startup_heap)
+    app.router.on_startup.append(freeze_startup_heap)  # the server's own startup objects too
     app.router.on_shutdown.append(serving.close)
     install_limits(app, serving)
     app.add_middleware(RequestHeaders, api_key=serving.server_config.api_key)
