@@ -277,9 +277,8 @@ if triton is not None:
         # vector, in SUB dense sub-tiles of BLOCK_W words (the same registers as one).
         # PROGS_PER_ROW is a constant so that this division is a multiply, not ~30 instructions
         # (a large share of a sparse tile's work).
-        # HAS_STAMP: a stale stamp empties the row (no word, no column), so nothing is stored.
         pid = tl.program_id(0)
-        if HAS_STAMP:
+        if HAS_STAMP:  # a stale stamp empties the row (no word, no column): nothing is stored
             live = tl.load(stamp_ptr) == expected
             vocab = tl.where(live, vocab, 0)
             n_words = tl.where(live, n_words, 0)
