@@ -13,15 +13,23 @@ tokenizer, makes most of them dictionary lookups, without changing a character o
 - a byte-level BPE tokenizer (GPT-2's scheme: SmolLM2, DeepSeek, Llama 3, Qwen) decodes a window
   as the UTF-8 of its tokens' bytes joined, so after a head of one token whose text is whole (no
   U+FFFD), the next token adds exactly its own text (`whole_head`): no window is decoded at all.
+
+A request without stop strings needs no text to decide when it stops, so its detokenizer is
+lazy: the engine thread only keeps its tokens (`push`), and each output gets a `TextAt` that
+decodes them, the same way, when the output's text is first read, on the reader's thread (under
+a lock). At batch 256 on the 2-core CPU that took 1.2 ms off the engine thread's 2.3 ms of
+output processing per decode step; a reader that wants only the final text decodes it once.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from atom.model_engine.output import TextAt
 from atom.sampling_params import SamplingParams
 
 _PROMPT_CONTEXT = 6  # prompt tokens decoded alongside the first output tokens
@@ -92,7 +100,15 @@ def decoder_of(tokenizer) -> TokenDecoder:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lazy: bool | None = None,
+    ):
+        """``lazy``: decode only when an output's text is read (default: without stop
+        strings, which need the text at once; see the module docstring)."""
         self.decoder = decoder_of(tokenizer)
         self.ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset = 0
@@ -106,6 +122,20 @@ class IncrementalDetokenizer:
         # The window's head (the tokens read last) is one token of whole text and the tokenizer
         # is byte-level: the next token adds exactly its own text (see the module docstring).
         self.whole_head = False
+        # Lazy (no stop string, see the module docstring): the output tokens kept by `push`,
+        # len(text) once each of them is decoded (index 0: none yet), the tokens reported
+        # last, and the lock of the readers that decode.
+        self.lazy = not self.stop if lazy is None else lazy
+        if self.lazy and self.stop:
+            raise ValueError("stop strings need the text of every token at once")
+        self.push: Callable[[int], str | None] = self._keep if self.lazy else self.add
+        self._kept: list[int] = []
+        self._lengths = [0]
+        self._reported = 0
+        self._lock = threading.Lock()
+
+    def _keep(self, token_id: int) -> None:
+        self._kept.append(token_id)
 
     def add(self, token_id: int) -> str | None:
         """Decode one more token; returns the stop string it completed, if any."""
@@ -159,9 +189,30 @@ class IncrementalDetokenizer:
         self.stopped = True
         return best[1]
 
-    def report(self, finished: bool) -> tuple[str, str]:
+    def text_at(self, start: int, end: int, finished: bool) -> tuple[str, str]:
+        """Lazy: (text after the first ``end`` kept tokens, what tokens ``start`` to ``end``
+        added), decoding kept tokens up to ``end`` first; ``finished``: ``end`` is the last,
+        and tokens held back as incomplete UTF-8 are flushed too."""
+        with self._lock:
+            lengths = self._lengths
+            while len(lengths) <= end:
+                self.add(self._kept[len(lengths) - 1])
+                lengths.append(len(self.text))
+            if finished:
+                self.flush()
+            stop = len(self.text) if finished else lengths[end]
+            return self.text[:stop], self.text[lengths[start] : stop]
+
+    def report(self, finished: bool) -> tuple[str | TextAt, str | TextAt]:
         """(text reported so far, delta): the text not reported yet, less a possible
-        stop-string prefix, which is held back until finished."""
+        stop-string prefix, which is held back until finished (then what is still held back as
+        incomplete UTF-8 is flushed). Lazy: one `TextAt` for both, decoded when read."""
+        if self.lazy:
+            start, self._reported = self._reported, len(self._kept)
+            at = (self, start, self._reported, finished)
+            return at, at
+        if finished:
+            self.flush()
         text = self.text
         if finished or not self.hold_back:
             end = len(text)

@@ -298,7 +298,7 @@ class EngineCore:
         return self._output(state, [logprob] if logprob is not None else [])
 
     def _stop_check(self, seq: Sequence, state: _RequestState, token: int) -> None:
-        stop_str = state.detokenizer.add(token)
+        stop_str = state.detokenizer.push(token)
         params = seq.params
         if token in self.eos_token_ids and not params.ignore_eos:
             self.scheduler.finish(seq, "stop")
@@ -318,7 +318,6 @@ class EngineCore:
         new_ids = seq.token_ids[start + state.num_reported : end]
         state.num_reported = end - start
         if finished:
-            detokenizer.flush()
             del self.states[seq.request_id]
             if seq.params.structured_output is not None:
                 self._grammar_release.append(seq.request_id)

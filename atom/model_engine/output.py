@@ -5,6 +5,7 @@ copying them into each step's output would cost the engine time quadratic in the
 length. The engine hands each output a `TokenIdsPrefix` instead (its sequence's token list and
 the bounds of the output so far), which the first read of `output_token_ids` turns into the
 list; entries below the bound never change, so that list is what a copy would have been.
+Likewise `text` and `delta_text` may be handed over as a `TextAt`, decoded when first read.
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ class TokenIdsPrefix:
         return self.ids[self.start : self.end]
 
 
+# A request's text after its first ``end`` output tokens, and what tokens ``start`` to ``end``
+# added to it, not decoded yet: (detokenizer, start, end, finished), decoded by
+# ``detokenizer.text_at(start, end, finished)`` when first read. The engine thread hands these
+# out instead of decoding every token of requests whose text it does not need (no stop
+# string); a reader that only wants the final text decodes the output once. A plain tuple:
+# one is made per request per step.
+TextAt = tuple[Any, int, int, bool]
+
+
 class _TokenIds:
     """A `RequestOutput` field given a list or a `TokenIdsPrefix`; always read as a list."""
 
@@ -40,6 +50,30 @@ class _TokenIds:
         obj._token_ids = value  # an attribute of its own: no instance dict is built for it
 
 
+class _Text:
+    """A `RequestOutput` text field (``index`` 0: the text, 1: the delta) given a str or a
+    `TextAt` (the same one for both); always read as a str."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr = "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> str:
+        if obj is None:
+            raise AttributeError  # no default value: the field is required
+        value = getattr(obj, self.attr)
+        if type(value) is tuple:
+            detokenizer, start, end, finished = value
+            obj._text, obj._delta_text = pair = detokenizer.text_at(start, end, finished)
+            value = pair[self.index]
+        return value
+
+    def __set__(self, obj: Any, value: str | TextAt) -> None:
+        setattr(obj, self.attr, value)
+
+
 @dataclass
 class TokenLogprob:
     token_id: int
@@ -53,14 +87,19 @@ class RequestOutput:
     prompt_token_ids: list[int]
     output_token_ids: list[int] = _TokenIds()  # all generated so far
     new_token_ids: list[int]  # since this request's previous output
-    text: str  # detokenized output so far, stop string excluded
-    delta_text: str  # text added since the previous output
+    text: str = _Text(0)  # detokenized output so far, stop string excluded
+    delta_text: str = _Text(1)  # text added since the previous output
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None  # stop string or token id that ended it
     logprobs: list[TokenLogprob] | None  # one per new token when params.logprobs is not None
     error: str | None = None  # set when finish_reason == "error"
     num_cached_tokens: int = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with its text decoded (a `TextAt` holds the request's detokenizer)."""
+        _ = self.text
+        return self.__dict__
 
 
 @dataclass

@@ -195,15 +195,49 @@ def test_detokenizer_shortcuts_change_no_text(smol, which):
         params = SamplingParams(stop=rng.choice([[], ["e"], ["the", "\n"], ["ing ", "€"]]))
         prompt = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 10))]
         fast = IncrementalDetokenizer(tok, prompt, params)
-        slow = IncrementalDetokenizer(tok, prompt, params)
+        slow = IncrementalDetokenizer(tok, prompt, params, lazy=False)
         slow.decoder = plain
         tokens = _stream(rng, tok, byte_tokens, broken)
         for i, token in enumerate(tokens):
-            assert fast.add(token) == slow.add(token)
+            assert fast.push(token) == slow.push(token)
             finished = fast.stopped or i == len(tokens) - 1
-            if finished:
-                fast.flush()
-                slow.flush()
-            assert fast.report(finished) == slow.report(finished)
+            assert _read(fast.report(finished)) == slow.report(finished)
             if finished:
                 break
+
+
+def _read(reported: tuple) -> tuple[str, str]:
+    """A report's (text, delta), decoded if lazy (a `TextAt` for both)."""
+    text, delta = reported
+    return text[0].text_at(*text[1:]) if type(text) is tuple else (text, delta)
+
+
+def test_lazy_text_read_late_or_out_of_order(smol):
+    """A lazy detokenizer's outputs, read only at the end, in any order, or the last one alone,
+    hold the text and deltas an eager one reports at each step."""
+    import random
+
+    from atom.model_engine.detokenizer import IncrementalDetokenizer
+
+    tok = smol.tokenizer
+    broken = [i for i in range(len(tok)) if "\ufffd" in tok.decode([i])]
+    byte_tokens = _byte_tokens(tok)
+    rng = random.Random(3)
+    for _ in range(100):
+        prompt = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 10))]
+        lazy = IncrementalDetokenizer(tok, prompt, SamplingParams())
+        eager = IncrementalDetokenizer(tok, prompt, SamplingParams(), lazy=False)
+        assert lazy.lazy and not eager.lazy
+        tokens = _stream(rng, tok, byte_tokens, broken)
+        want, outputs = [], []
+        for i, token in enumerate(tokens):
+            assert lazy.push(token) is None and eager.push(token) is None
+            finished = i == len(tokens) - 1
+            want.append(eager.report(finished))
+            outputs.append(lazy.report(finished))
+        order = list(range(len(outputs)))
+        rng.choice([lambda o: None, rng.shuffle, lambda o: o.reverse()])(order)
+        for k in order[: rng.choice([1, len(order)])]:
+            assert _read(outputs[k]) == want[k], (k, order)
+    with pytest.raises(ValueError):
+        IncrementalDetokenizer(tok, [1], SamplingParams(stop=["x"]), lazy=True)
