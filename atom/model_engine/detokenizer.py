@@ -207,9 +207,12 @@ class IncrementalDetokenizer:
     def report(self, finished: bool) -> tuple[str | TextAt, str | TextAt]:
         """(text reported so far, delta): the text not reported yet, less a possible
         stop-string prefix, which is held back until finished (then what is still held back as
-        incomplete UTF-8 is flushed). Lazy: one `TextAt` for both, decoded when read."""
+        incomplete UTF-8 is flushed). Lazy: one `TextAt` for both, decoded when read, except
+        for the final output, whose text is decoded now (every token left, in one go)."""
         if self.lazy:
             start, self._reported = self._reported, len(self._kept)
+            if finished:  # decoded here, once: a reader of the final text (the API's event loop)
+                return self.text_at(start, self._reported, True)  # then decodes nothing
             at = (self, start, self._reported, finished)
             return at, at
         if finished:
