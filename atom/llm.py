@@ -39,30 +39,26 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run all prompts to completion (continuous batching); outputs in prompt order, each
-        carrying the logprobs of all its tokens (when asked)."""
+        carrying the logprobs of all its tokens (when asked). The engine makes each request's
+        final output only (`SamplingParams.final_only`): nothing reads the others."""
         params = params or SamplingParams()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
         per_prompt = self._bind(per_prompt)
+        final_only = {id(p): dataclasses.replace(p, final_only=True) for p in per_prompt}
         order: dict[str, int] = {}
         for prompt, p in zip(prompts, per_prompt, strict=True):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"llm-{next(self._ids)}"
             order[rid] = len(order)
-            self.engine.add_request(rid, ids, p)
+            self.engine.add_request(rid, ids, final_only[id(p)])
         results: list[RequestOutput | None] = [None] * len(prompts)
-        logprobs: dict[str, list] = {rid: [] for rid in order}
         with tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    if out.request_id not in order:
-                        continue
-                    logprobs[out.request_id] += out.logprobs or []
-                    if out.finished:
-                        lps = logprobs[out.request_id] if out.logprobs is not None else None
-                        i = order[out.request_id]
-                        out = dataclasses.replace(out, logprobs=lps)
+                    i = order.get(out.request_id)
+                    if i is not None:
                         results[i] = self._checked(per_prompt[i], out)
                         bar.update()
         return results  # type: ignore[return-value]

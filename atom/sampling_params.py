@@ -52,6 +52,9 @@ class SamplingParams:
     # A bound `atom.structured_output` request spec; None for ordinary requests. Offline,
     # `StructuredOutputParams` too: `LLM.generate` admits it and binds its spec.
     structured_output: Any = None
+    # Only the final output is made (vLLM's FINAL_ONLY output kind; offline `LLM.generate`,
+    # which keeps nothing else): its new tokens and logprobs are all of the request's.
+    final_only: bool = False
     # Does this request change its logits before sampling (``model_ops.penalties``)?
     penalized: bool = field(init=False, default=False)
 

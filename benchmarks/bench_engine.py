@@ -10,7 +10,10 @@ model of Llama-3.2-1B's shape with the 129,280-token DeepSeek tokenizer (the ``d
 package's files), next to transformers ``generate`` on the same weights and the weight-streaming
 floor per decode step, for each ATOM variant of ``--variants`` (CUDA graphs or eager, async or
 sync scheduling); writes ``bench_engine_{device}.json`` and ``.png`` under ``--out`` (``--profile``
-adds cProfile tables of the host time):
+adds cProfile tables of the host time). With CUDA graphs each batch also gets the device's own
+time per decode step (``atom_{variant}_device_ms``: the step's kernels queued back to back, no
+host work between them), the bound of that step once the host keeps up (``--profile`` adds its
+per-kernel table at the largest batch):
     python benchmarks/bench_engine.py --device cuda --random-llama-1b [--variants graphs-async ...]
 """
 
@@ -22,6 +25,7 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -187,8 +191,9 @@ VARIANTS = {
 }
 
 
-def atom_decode_seconds(args, folder: Path, prompts_for, variant: str) -> tuple[dict, int]:
-    """Decode seconds per batch size for one ATOM variant (and the tokenizer's size)."""
+def atom_decode_seconds(args, folder: Path, prompts_for, variant: str) -> tuple[dict, dict, int]:
+    """Decode seconds per batch size for one ATOM variant, the device's own ms per decode step
+    (CUDA graphs only, else empty) and the tokenizer's size."""
     llm = LLM(
         str(folder),
         device=args.device,
@@ -211,7 +216,7 @@ def atom_decode_seconds(args, folder: Path, prompts_for, variant: str) -> tuple[
         return time.perf_counter() - t
 
     atom_time(prompts_for(2), 4)  # warm-up
-    seconds = {}
+    seconds, device_ms = {}, {}
     for b in args.decode_batches:
         p = prompts_for(b)
         t1 = min(atom_time(p, 1) for _ in range(2))
@@ -219,9 +224,67 @@ def atom_decode_seconds(args, folder: Path, prompts_for, variant: str) -> tuple[
         # stall of the host (another tenant, a garbage collection) moves one run by 2x.
         seconds[b] = statistics.median(atom_time(p, args.decode_tokens + 1) for _ in range(3)) - t1
         print(f"atom {variant} B={b}: {b * args.decode_tokens / seconds[b]:.0f} tok/s", flush=True)
+        if args.device == "cuda" and not VARIANTS[variant]["enforce_eager"]:
+            device_ms[b] = device_step_ms(llm, b)
+            print(f"atom {variant} B={b}: device {device_ms[b]:.3f} ms/step", flush=True)
+    if device_ms and args.profile:
+        path = Path(args.out) / f"bench_engine_cuda_device_kernels_b{max(device_ms)}.txt"
+        path.write_text(device_step_kernels(llm, max(device_ms)))
     if args.profile:
         profile_decode(llm, prompts_for, args, variant)
-    return seconds, len(llm.tokenizer)
+    return seconds, device_ms, len(llm.tokenizer)
+
+
+def device_step(llm: LLM, batch: int) -> Callable[[], torch.Tensor]:
+    """One decode step of `batch` rows on the device alone: the captured forward of its padded
+    size, then the LM head and greedy argmax of its rows. The graph's buffers hold the last
+    decode step of that size that ran (its context lengths, so its KV reads), and it writes
+    that step's KV slots again (their sequences have finished)."""
+    from atom.model_ops.sampler import argmax_rows
+
+    (runner,) = llm.engine.executor.workers
+    graphs = runner.graphs
+    size = graphs.padded_size(batch)
+
+    def step() -> torch.Tensor:
+        graphs.graphs[size].replay()
+        return argmax_rows(runner.model.compute_logits(graphs.outputs[size][:batch]))
+
+    return step
+
+
+@torch.inference_mode()
+def device_step_ms(llm: LLM, batch: int, iters: int = 50) -> float:
+    """The device's time per decode step with the host out of the way: `device_step` queued
+    `iters` times back to back, between two CUDA events. The engine's step cannot be shorter;
+    the gap to its measured step is host time the GPU waited for."""
+    step = device_step(llm, batch)
+    for _ in range(3):
+        step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+@torch.inference_mode()
+def device_step_kernels(llm: LLM, batch: int, iters: int = 20) -> str:
+    """torch.profiler's device time per kernel over `iters` device-only decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = device_step(llm, batch)
+    step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    title = f"device-only decode step, batch {batch}, {iters} steps\n"
+    return title + prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=25, max_name_column_width=60
+    )
 
 
 def profile_decode(llm, prompts_for, args, variant: str) -> None:
@@ -283,9 +346,11 @@ def decode_sweep(args) -> None:
     # turn on the same prompts; the first variant fills the "atom_*" columns.
     tokenizer_vocab = 0
     for name in args.variants:
-        seconds, tokenizer_vocab = atom_decode_seconds(args, folder, prompts_for, name)
+        seconds, device_ms, tokenizer_vocab = atom_decode_seconds(args, folder, prompts_for, name)
         for b, decode_s in seconds.items():
             rows[b][f"atom_{name}_step_ms"] = decode_s / n_tok * 1e3
+            if b in device_ms:
+                rows[b][f"atom_{name}_device_ms"] = device_ms[b]
             if name == args.variants[0]:
                 rows[b]["atom_decode_s"] = decode_s
                 rows[b]["atom_tok_s"] = b * n_tok / decode_s
@@ -330,9 +395,12 @@ def decode_sweep(args) -> None:
             f"{r['atom_step_ms']:>13.2f} {r.get('transformers_step_ms', nan):>11.2f} "
             f"{r['floor_step_ms']:>9.3f}"
         )
-    print("ATOM ms/step by variant: " + ", ".join(args.variants))
+    print("ATOM ms/step by variant: " + ", ".join(args.variants) + " (device-only ms in brackets)")
     for r in result["rows"]:
-        cells = " ".join(f"{r[f'atom_{name}_step_ms']:>8.2f}" for name in args.variants)
+        cells = " ".join(
+            f"{r[f'atom_{name}_step_ms']:>8.2f} [{r.get(f'atom_{name}_device_ms', nan):.3f}]"
+            for name in args.variants
+        )
         print(f"{r['batch']:>4} {cells}")
     out = Path(args.out)
     stem = f"bench_engine_{args.device}"

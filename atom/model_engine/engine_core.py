@@ -70,6 +70,8 @@ class _RequestState:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     num_reported: int = 0
+    # `final_only`: logprobs of the tokens read so far, reported with the final output.
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
 class EngineCore:
@@ -115,7 +117,7 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for seq in self.scheduler.abort(request_ids):
-            self._pending.append(self._output(self.states[seq.request_id], []))
+            self._pending.append(self._output(self.states[seq.request_id]))
         self._flush_grammar_release()
 
     def has_unfinished(self) -> bool:
@@ -174,10 +176,11 @@ class EngineCore:
             logger.exception("model step failed")
             return [self._fail(seq, _failure(e)) for seq in batch.seqs if not seq.is_finished]
         more = result.more_token_ids
-        outputs = [
+        processed = [
             self._process(seq, token, result.logprobs.get(seq.seq_id), more.get(seq.seq_id))
             for seq, token in self.scheduler.update(batch, result.token_ids, more)
         ]
+        outputs = [out for out in processed if out is not None]
         if result.errors:  # structured-output failures end only their own requests
             for seq in batch.seqs:
                 error = result.errors.get(seq.seq_id)
@@ -230,7 +233,7 @@ class EngineCore:
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         self.scheduler.finish(seq, "error")
-        return self._output(self.states[seq.request_id], [], error=error)
+        return self._output(self.states[seq.request_id], error=error)
 
     def collective_rpc(self, method: str, *args, timeout: float | None = None, **kwargs) -> list:
         return self.executor.collective_rpc(method, *args, timeout=timeout, **kwargs)
@@ -283,9 +286,11 @@ class EngineCore:
         token: int,
         logprob: TokenLogprob | None,
         more: list[int] | None = None,
-    ) -> RequestOutput:
+    ) -> RequestOutput | None:
         """Detokenize a sequence's new token (and, after a verification step, the `more` it
-        emitted, up to the first that stops it) and apply its stop conditions."""
+        emitted, up to the first that stops it) and apply its stop conditions; its output, or
+        None when only the final one is wanted (`SamplingParams.final_only`) and this is not
+        it."""
         state = self.states[seq.request_id]
         self._stop_check(seq, state, token)
         if more:
@@ -295,7 +300,11 @@ class EngineCore:
                 self.scheduler.accept_draft(seq, extra)
                 self.num_accepted_drafts += 1
                 self._stop_check(seq, state, extra)
-        return self._output(state, [logprob] if logprob is not None else [])
+        if logprob is not None:
+            state.logprobs.append(logprob)
+        if seq.params.final_only and not seq.is_finished:
+            return None
+        return self._output(state)
 
     def _stop_check(self, seq: Sequence, state: _RequestState, token: int) -> None:
         stop_str = state.detokenizer.push(token)
@@ -309,9 +318,8 @@ class EngineCore:
         elif seq.num_known_tokens >= seq.max_len:
             self.scheduler.finish(seq, "length")
 
-    def _output(
-        self, state: _RequestState, logprobs: list[TokenLogprob], error: str | None = None
-    ) -> RequestOutput:
+    def _output(self, state: _RequestState, error: str | None = None) -> RequestOutput:
+        """The request's output since its previous one (new tokens, text, logprobs)."""
         seq, detokenizer = state.seq, state.detokenizer
         finished = seq.is_finished
         start, end = seq.num_prompt_tokens, seq.num_known_tokens
@@ -322,6 +330,9 @@ class EngineCore:
             if seq.params.structured_output is not None:
                 self._grammar_release.append(seq.request_id)
         text, delta = detokenizer.report(finished)
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs, state.logprobs = state.logprobs, []
         # Positional, in field order: keyword arguments cost three times as much, per request
         # per step.
         return RequestOutput(
@@ -334,7 +345,7 @@ class EngineCore:
             finished,
             seq.finish_reason,
             seq.stop_reason,
-            logprobs if seq.params.logprobs is not None else None,
+            logprobs,
             error,
             seq.num_cached_tokens,
         )

@@ -469,17 +469,14 @@ class ModelRunner:
         """Inputs the host has not read yet: each is copied on the device from the step that
         sampled it, at rows the host knows (no device-to-host read). A verification's
         sequences also move on the device by the drafts it accepted (`_shift_rows`)."""
-        Source = DeferredOutput | VerifiedOutput
-        sources: dict[int, tuple[Source, list[int], list[int], list[int]]] = {}
-        for row, seq_id, index in zip(
-            step.placeholder_rows, step.placeholder_seq_ids, step.placeholder_seqs, strict=True
-        ):
-            out = self._sampled_in[seq_id]
-            _, dst, src, owners = sources.setdefault(id(out), (out, [], [], []))
-            dst.append(row)
-            src.append(out.rows[seq_id])
-            owners.append(index)
-        for out, dst, src, owners in sources.values():
+        seq_ids = step.placeholder_seq_ids
+        outs = [self._sampled_in[seq_id] for seq_id in seq_ids]
+        if outs and outs.count(outs[0]) == len(outs):  # the common case: one step sampled all
+            groups = [(outs[0], step.placeholder_rows, seq_ids, step.placeholder_seqs)]
+        else:
+            groups = _group_by_output(outs, step)
+        for out, dst, ids, owners in groups:
+            src = list(map(out.rows.__getitem__, ids))
             src_rows, dst_rows = self._to_device(src + dst, torch.long).split(len(src))
             tokens = out.next_input_ids.index_select(0, src_rows)
             input_ids.index_copy_(0, dst_rows, tokens)
@@ -577,3 +574,19 @@ class ModelRunner:
             gen.manual_seed(seq.params.seed)
             self.generators[seq.seq_id] = gen
         return gen
+
+
+def _group_by_output(
+    outs: list[DeferredOutput | VerifiedOutput], step: StepInputs
+) -> list[tuple[DeferredOutput | VerifiedOutput, list[int], list[int], list[int]]]:
+    """The placeholders of `step` by the step that sampled them (`outs`, one per placeholder):
+    per step, its destination rows, sequence ids and batch indices."""
+    groups: dict[int, tuple[DeferredOutput | VerifiedOutput, list[int], list[int], list[int]]] = {}
+    for out, row, seq_id, index in zip(
+        outs, step.placeholder_rows, step.placeholder_seq_ids, step.placeholder_seqs, strict=True
+    ):
+        _, dst, ids, owners = groups.setdefault(id(out), (out, [], [], []))
+        dst.append(row)
+        ids.append(seq_id)
+        owners.append(index)
+    return list(groups.values())

@@ -35,45 +35,6 @@ class TokenIdsPrefix:
 TextAt = tuple[Any, int, int, bool]
 
 
-class _TokenIds:
-    """A `RequestOutput` field given a list or a `TokenIdsPrefix`; always read as a list."""
-
-    def __get__(self, obj: Any, owner: type | None = None) -> list[int]:
-        if obj is None:
-            raise AttributeError  # no default value: the field is required
-        value = obj._token_ids
-        if type(value) is TokenIdsPrefix:
-            value = obj._token_ids = value.copy()
-        return value
-
-    def __set__(self, obj: Any, value: list[int] | TokenIdsPrefix) -> None:
-        obj._token_ids = value  # an attribute of its own: no instance dict is built for it
-
-
-class _Text:
-    """A `RequestOutput` text field (``index`` 0: the text, 1: the delta) given a str or a
-    `TextAt` (the same one for both); always read as a str."""
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.attr = "_" + name
-
-    def __get__(self, obj: Any, owner: type | None = None) -> str:
-        if obj is None:
-            raise AttributeError  # no default value: the field is required
-        value = getattr(obj, self.attr)
-        if type(value) is tuple:
-            detokenizer, start, end, finished = value
-            obj._text, obj._delta_text = pair = detokenizer.text_at(start, end, finished)
-            value = pair[self.index]
-        return value
-
-    def __set__(self, obj: Any, value: str | TextAt) -> None:
-        setattr(obj, self.attr, value)
-
-
 @dataclass
 class TokenLogprob:
     token_id: int
@@ -81,14 +42,19 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # top-k (id, logprob) of the raw distribution
 
 
-@dataclass
+@dataclass(init=False)
 class RequestOutput:
+    """`output_token_ids` may be given as a `TokenIdsPrefix`, `text` and `delta_text` as one
+    `TextAt`: each is turned into its list or str when first read. The engine makes one of
+    these per request per step, so `__init__` only stores its arguments (no conversion, no
+    descriptor call: a third of a dataclass's with them)."""
+
     request_id: str
     prompt_token_ids: list[int]
-    output_token_ids: list[int] = _TokenIds()  # all generated so far
+    output_token_ids: list[int]  # all generated so far
     new_token_ids: list[int]  # since this request's previous output
-    text: str = _Text(0)  # detokenized output so far, stop string excluded
-    delta_text: str = _Text(1)  # text added since the previous output
+    text: str  # detokenized output so far, stop string excluded
+    delta_text: str  # text added since the previous output
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None  # stop string or token id that ended it
@@ -96,9 +62,59 @@ class RequestOutput:
     error: str | None = None  # set when finish_reason == "error"
     num_cached_tokens: int = 0
 
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int] | TokenIdsPrefix,
+        new_token_ids: list[int],
+        text: str | TextAt,
+        delta_text: str | TextAt,
+        finished: bool,
+        finish_reason: str | None,
+        stop_reason: str | int | None,
+        logprobs: list[TokenLogprob] | None,
+        error: str | None = None,
+        num_cached_tokens: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self._token_ids = output_token_ids
+        self.new_token_ids = new_token_ids
+        self._text = text
+        self._delta_text = delta_text
+        self.finished = finished
+        self.finish_reason = finish_reason
+        self.stop_reason = stop_reason
+        self.logprobs = logprobs
+        self.error = error
+        self.num_cached_tokens = num_cached_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        value = self._token_ids
+        if type(value) is TokenIdsPrefix:
+            value = self._token_ids = value.copy()
+        return value
+
+    @property
+    def text(self) -> str:
+        return self._decoded()[0]
+
+    @property
+    def delta_text(self) -> str:
+        return self._decoded()[1]
+
+    def _decoded(self) -> tuple[str, str]:
+        """(text, delta_text), decoding a `TextAt` the first time."""
+        if type(self._text) is tuple:
+            detokenizer, start, end, finished = self._text
+            self._text, self._delta_text = detokenizer.text_at(start, end, finished)
+        return self._text, self._delta_text
+
     def __getstate__(self) -> dict[str, Any]:
         """Pickled with its text decoded (a `TextAt` holds the request's detokenizer)."""
-        _ = self.text
+        self._decoded()
         return self.__dict__
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from atom.config import EngineConfig
@@ -42,6 +44,28 @@ def test_max_tokens_gives_length_and_detok_matches(smol, prompt):
     assert last.text == smol.tokenizer.decode(last.output_token_ids, skip_special_tokens=True)
     assert "".join(o.delta_text for o in outs) == last.text
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+
+
+@pytest.mark.parametrize("stop", [[], ["zzz-never"]], ids=["lazy-text", "stop-string"])
+def test_final_only_is_the_whole_stream_in_one_output(smol, prompt, stop):
+    params = _greedy(max_tokens=12, logprobs=2, stop=stop)
+    every = _run(smol, prompt, params)
+    (final,) = _run(smol, prompt, dataclasses.replace(params, final_only=True))
+    assert len(every) > 1 and final.finished and final.finish_reason == "length"
+    assert final.new_token_ids == final.output_token_ids == every[-1].output_token_ids
+    assert final.text == final.delta_text == "".join(o.delta_text for o in every)
+    assert final.logprobs == [lp for o in every for lp in o.logprobs]
+
+
+def test_final_only_error_and_abort_still_report(smol, prompt):
+    smol.add_request("a", prompt, _greedy(max_tokens=50, final_only=True))
+    assert smol.step() == []  # the first steps finish nothing: no output
+    smol.abort_request(["a"])
+    outs = []
+    while smol.has_unfinished_requests():
+        outs += smol.step()
+    assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("a", True, "abort")]
+    assert outs[0].new_token_ids == outs[0].output_token_ids
 
 
 def test_undecodable_bytes_are_flushed_at_the_end(tiny_llama_dir):
