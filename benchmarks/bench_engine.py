@@ -220,9 +220,10 @@ def atom_decode_seconds(args, folder: Path, prompts_for, variant: str) -> tuple[
     for b in args.decode_batches:
         p = prompts_for(b)
         t1 = min(atom_time(p, 1) for _ in range(2))
-        # The median of three: one decode of 64 steps is a fraction of a second, and a single
-        # stall of the host (another tenant, a garbage collection) moves one run by 2x.
-        seconds[b] = statistics.median(atom_time(p, args.decode_tokens + 1) for _ in range(3)) - t1
+        # The median of `--repeats` (3): one decode of 64 steps is a fraction of a second, and
+        # a single stall of the host (another tenant, a garbage collection) moves one run by 2x.
+        runs = [atom_time(p, args.decode_tokens + 1) for _ in range(args.repeats)]
+        seconds[b] = statistics.median(runs) - t1
         print(f"atom {variant} B={b}: {b * args.decode_tokens / seconds[b]:.0f} tok/s", flush=True)
         if args.device == "cuda" and not VARIANTS[variant]["enforce_eager"]:
             device_ms[b] = device_step_ms(llm, b)
@@ -510,6 +511,7 @@ def main() -> None:
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="decode runs per batch (median)")
     ap.add_argument("--kv-cache-gib", type=float, default=8.0)
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument(

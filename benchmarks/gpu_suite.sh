@@ -44,6 +44,10 @@
 #                                          gate operations, structured-output overhead of another
 #                                          checkout's atom against this one's, alternated ROUNDS
 #                                          times (2), memcheck; ~9 minutes, ~7 with ROUNDS=1)
+#   BASELINE=.baseline [ROUNDS=2] bash benchmarks/gpu_suite.sh host_ab (decode ms/step and the
+#                                          device's own ms/step of another checkout's atom against
+#                                          this one's, alternated ROUNDS times, 5 repeats each;
+#                                          then this one's kernels at batch 256; ~7 minutes)
 #   bash benchmarks/gpu_suite.sh gates_check (the gates' and CUDA graphs' GPU tests, structured-
 #                                          output overhead with the defaults; ~4 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
@@ -297,6 +301,22 @@ gates_ab() {  # gates before/after: BASELINE (another checkout's folder holding 
     step memcheck 110 compute-sanitizer --tool memcheck --print-limit 20 \
         python3 benchmarks/sanitize_engine.py
 }
+host_ab() {  # before/after of the host's share of a decode step: BASELINE (another checkout's
+    # folder holding its atom, carried) and this checkout through this bench_engine.py, whose
+    # device-only ms/step shows what the GPU alone takes
+    for round in $(seq ${ROUNDS:-2}); do
+        for side in baseline current; do
+            local root=$PWD
+            [[ $side == baseline ]] && root=$PWD/${BASELINE:?a baseline checkout folder}
+            step engine_${side}_$round 110 env PYTHONPATH=/tmp/site:$root python3 \
+                benchmarks/bench_engine.py --device cuda --random-llama-1b --no-transformers \
+                --variants graphs-async --repeats 5 --out $out/engine_${side}_$round
+        done
+    done
+    step engine_kernels 110 python3 benchmarks/bench_engine.py --device cuda --random-llama-1b \
+        --no-transformers --variants graphs-async --decode-batches 1 256 --profile \
+        --out $out/kernels
+}
 gates_check() {  # the gates' GPU tests (a killed child among them) and the CUDA graphs', then
     # the structured-output overhead with the defaults
     step pytest_gates 200 python3 -m pytest -q -m gpu --durations=5 \
@@ -308,5 +328,5 @@ gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-"${1:?bench, check, decode_ab, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+"${1:?bench, check, decode_ab, host_ab, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 tail -n 200 $out/summary.log
