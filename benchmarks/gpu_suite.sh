@@ -2,7 +2,7 @@
 # The H200 run behind the committed GPU results: one call of the device tool, carrying .whl
 # (this repo's Python dependencies as wheels) and .gpu_assets (the SmolLM2 tokenizer for the GPU
 # tests). Writes everything under $OUT/gpu.tgz (a tarball: the tool brings back few files).
-# Two parts, one device call each (a call runs at most 10 minutes; every step has a limit):
+# One or more modes a call, run in turn (a call runs at most 10 minutes; every step has a limit):
 #   bash benchmarks/gpu_suite.sh bench    (benchmarks, about 8 minutes)
 #   bash benchmarks/gpu_suite.sh check    (GPU tests and compute-sanitizer, about 9 minutes)
 #   bash benchmarks/gpu_suite.sh grammar  (grammar process on/off profile and structured
@@ -328,5 +328,6 @@ gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-"${1:?bench, check, decode_ab, host_ab, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+: "${1:?one or more of: bench, check, decode_ab, host_ab, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+for mode in "$@"; do "$mode"; done
 tail -n 200 $out/summary.log

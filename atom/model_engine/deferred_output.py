@@ -68,6 +68,10 @@ class DeferredOutput:
     def empty(cls) -> DeferredOutput:
         return cls([], torch.empty(0, dtype=torch.long), {})
 
+    def ready(self) -> bool:
+        """Has the host copy finished (reading waits for nothing more)?"""
+        return self._ready is None or self._ready.query()
+
     def host_token_ids(self) -> list[int]:
         """The sampled ids on the host (waits for this step's copy the first time)."""
         if self.pending_errors is not None:
@@ -140,6 +144,10 @@ class VerifiedOutput:
         self.next_input_ids = emitted.gather(1, self.num_accepted.unsqueeze(1)).squeeze(1)
         self._host, self._ready = _copy_to_host([emitted, self.num_accepted], copy_stream)
         self._emitted: list[list[int]] | None = None
+
+    def ready(self) -> bool:
+        """Has the host copy finished (reading waits for nothing more)?"""
+        return self._ready is None or self._ready.query()
 
     def emitted(self) -> list[list[int]]:
         """Per sequence its emitted tokens (waits for this step's copy the first time)."""

@@ -195,14 +195,26 @@ class IncrementalDetokenizer:
         added), decoding kept tokens up to ``end`` first; ``finished``: ``end`` is the last,
         and tokens held back as incomplete UTF-8 are flushed too."""
         with self._lock:
-            lengths = self._lengths
-            while len(lengths) <= end:
-                self.add(self._kept[len(lengths) - 1])
-                lengths.append(len(self.text))
+            lengths = self._decode_to(end)
             if finished:
                 self.flush()
             stop = len(self.text) if finished else lengths[end]
             return self.text[:stop], self.text[lengths[start] : stop]
+
+    def catch_up(self) -> None:
+        """Lazy: decode every kept token not decoded yet (the engine does this while it waits
+        for the device, so that less is left for a later read or the final output)."""
+        if len(self._lengths) <= len(self._kept):
+            with self._lock:
+                self._decode_to(len(self._kept))
+
+    def _decode_to(self, end: int) -> list[int]:
+        """Decode kept tokens up to ``end`` (the lock held); the text lengths after each."""
+        lengths = self._lengths
+        while len(lengths) <= end:
+            self.add(self._kept[len(lengths) - 1])
+            lengths.append(len(self.text))
+        return lengths
 
     def report(self, finished: bool) -> tuple[str | TextAt, str | TextAt]:
         """(text reported so far, delta): the text not reported yet, less a possible

@@ -170,6 +170,7 @@ class EngineCore:
 
     def _read(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Read a submitted batch's output and process what it sampled."""
+        self._decode_while_waiting()
         try:
             result = self.executor.take_output()
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving
@@ -187,6 +188,17 @@ class EngineCore:
                 if error is not None and not seq.is_finished:
                     outputs.append(self._fail(seq, error))
         return outputs
+
+    def _decode_while_waiting(self) -> None:
+        """Lazy text (`IncrementalDetokenizer`): until the device has the output about to be
+        read, decode the tokens requests kept. That host time would otherwise go to waiting,
+        and whatever is decoded here is not left for the final output, which decodes the rest
+        at once on this thread (all of it for a final-only request)."""
+        ready = self.executor.output_ready
+        for i, state in enumerate(self.states.values()):
+            if i % 4 == 0 and ready():
+                return
+            state.detokenizer.catch_up()
 
     def _propose(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Speculative decoding: the next drafts of the batch's sequences that sampled (with

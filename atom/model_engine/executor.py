@@ -41,6 +41,11 @@ class Executor(ABC):
         """The oldest submitted step's output (rank 0's: every rank samples the same ids)."""
         return self.collective_rpc("take_output")[0]
 
+    def output_ready(self) -> bool:
+        """False while `take_output` is known to wait for the device (the engine core spends
+        that time on other host work); True when it would not, or where nobody knows."""
+        return True
+
     def structured_output_stats(self) -> list[dict]:
         """Per-rank structured-output counters, read without waiting for the engine loop."""
         return []
@@ -66,6 +71,9 @@ class InProcExecutor(Executor):
 
     def collective_rpc(self, method: str, *args, timeout: float | None = None, **kwargs) -> list:
         return [getattr(w, method)(*args, **kwargs) for w in self.workers]
+
+    def output_ready(self) -> bool:
+        return self.workers[0].output_ready()
 
     def structured_output_stats(self) -> list[dict]:
         return [w.structured_output_stats() for w in self.workers]

@@ -249,6 +249,11 @@ class ModelRunner:
             self._queue_sampling()
         return self._submitted.popleft().result()
 
+    def output_ready(self) -> bool:
+        """Has the oldest submitted step's host copy finished? (A step still waiting for its
+        grammar rows, or none submitted: True, nothing to wait for here.)"""
+        return not self._submitted or self._submitted[0].ready()
+
     def execute_model(self, batch: ScheduledBatch) -> RunnerOutput:
         """Submit one step and read its output at once (synchronous scheduling)."""
         self.submit_model(batch)
