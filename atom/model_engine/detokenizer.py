@@ -212,9 +212,32 @@ class IncrementalDetokenizer:
         """Decode kept tokens up to ``end`` (the lock held); the text lengths after each."""
         lengths = self._lengths
         while len(lengths) <= end:
-            self.add(self._kept[len(lengths) - 1])
-            lengths.append(len(self.text))
+            if not self._add_whole_run(end):
+                self.add(self._kept[len(lengths) - 1])
+                lengths.append(len(self.text))
         return lengths
+
+    def _add_whole_run(self, end: int) -> bool:
+        """`add` of the kept tokens up to ``end`` while its byte-level shortcut holds (after a
+        whole head, a token of whole text adds exactly that text), joined at once: a final
+        output decodes most of its tokens this way. False when it took none."""
+        if not self.whole_head or self.read_offset != len(self.ids):
+            return False
+        one, lengths, length = self.decoder.one, self._lengths, len(self.text)
+        run, pieces = self._kept[len(lengths) - 1 : end], []
+        for token in run:
+            text = one(token)
+            if not text or "\ufffd" in text:
+                break
+            pieces.append(text)
+            length += len(text)
+            lengths.append(length)
+        if not pieces:
+            return False
+        self.ids += run[: len(pieces)]
+        self.text += "".join(pieces)
+        self.prefix_offset, self.read_offset = len(self.ids) - 1, len(self.ids)
+        return True
 
     def report(self, finished: bool) -> tuple[str | TextAt, str | TextAt]:
         """(text reported so far, delta): the text not reported yet, less a possible

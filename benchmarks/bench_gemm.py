@@ -1,0 +1,118 @@
+"""The decode step's GEMMs alone, per BLAS backend: where a large batch's device time goes.
+
+At batch 256 the random-weight Llama-3.2-1B step is no longer bound by streaming its weights:
+it runs 2 x 1.24e9 x 256 = 635 GFLOP, and the device-only step (`bench_engine.py`) is mostly
+GEMMs. This times `F.linear` (bf16) at each of the step's shapes (the fused QKV, the attention
+output, the fused gate/up and the down projection of a layer, and the LM head over the
+129,280-token vocabulary), for each row count and each of torch's BLAS backends on CUDA
+(cuBLAS and cuBLASLt), between CUDA events over `--iters` back-to-back calls, and reports the
+microseconds, the TFLOPS and the time of a whole step's GEMMs (16 layers and the LM head).
+Prints a table; writes benchmarks/results/bench_gemm.json and .png under `--out`.
+    python benchmarks/bench_gemm.py [--rows 1 16 64 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+RESULTS = Path(__file__).parent / "results"
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 2048, 8192, 16, 129280
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 64
+# (name, output features, input features, calls per decode step)
+SHAPES = [
+    ("qkv", (HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN, LAYERS),
+    ("o", HIDDEN, HEADS * HEAD_DIM, LAYERS),
+    ("gate_up", 2 * INTERMEDIATE, HIDDEN, LAYERS),
+    ("down", HIDDEN, INTERMEDIATE, LAYERS),
+    ("lm_head", VOCAB, HIDDEN, 1),
+]
+
+
+def time_linear(rows: int, out_features: int, in_features: int, iters: int) -> float:
+    """Microseconds per `F.linear` of [rows, in] by [out, in] in bf16."""
+    x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
+    for _ in range(5):
+        F.linear(x, w)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        F.linear(x, w)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def measure(rows_list: list[int], iters: int) -> list[dict]:
+    results = []
+    for backend in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(backend)
+        for rows in rows_list:
+            step_us = 0.0
+            for name, out_f, in_f, calls in SHAPES:
+                us = time_linear(rows, out_f, in_f, iters)
+                step_us += us * calls
+                results.append(
+                    {
+                        "backend": backend,
+                        "rows": rows,
+                        "gemm": name,
+                        "us": us,
+                        "tflops": 2 * rows * out_f * in_f / (us * 1e-6) / 1e12,
+                        "weight_tb_s": 2 * out_f * in_f / (us * 1e-6) / 1e12,
+                    }
+                )
+            results.append({"backend": backend, "rows": rows, "gemm": "step", "us": step_us})
+    torch.backends.cuda.preferred_blas_library("default")
+    return results
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for backend in ("cublas", "cublaslt"):
+        rows = [r for r in results if r["backend"] == backend and r["gemm"] == "step"]
+        ax.plot([r["rows"] for r in rows], [r["us"] / 1e3 for r in rows], "o-", label=backend)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows (decode batch)")
+    ax.set_ylabel("GEMMs of one decode step, ms")
+    ax.set_title("Llama-3.2-1B shape, bf16, 129,280-token LM head")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gemm needs CUDA")
+    results = measure(args.rows, args.iters)
+    print(f"{'backend':>9} {'rows':>5} {'gemm':>8} {'us':>9} {'TFLOPS':>8} {'weights TB/s':>13}")
+    for r in results:
+        print(
+            f"{r['backend']:>9} {r['rows']:>5} {r['gemm']:>8} {r['us']:>9.1f} "
+            f"{r.get('tflops', float('nan')):>8.1f} {r.get('weight_tb_s', float('nan')):>13.2f}"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_gemm.json").write_text(
+        json.dumps({"device": torch.cuda.get_device_name(), "rows": results}, indent=2)
+    )
+    plot(results, args.out / "bench_gemm.png")
+    print(f"wrote {args.out / 'bench_gemm.json'} and {args.out / 'bench_gemm.png'}")
+
+
+if __name__ == "__main__":
+    main()
