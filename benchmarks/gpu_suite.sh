@@ -48,6 +48,8 @@
 #                                          device's own ms/step of another checkout's atom against
 #                                          this one's, alternated ROUNDS times, 5 repeats each;
 #                                          then this one's kernels at batch 256; ~7 minutes)
+#   bash benchmarks/gpu_suite.sh memcheck (compute-sanitizer memcheck of the engine's asynchronous
+#                                          path with constrained requests; ~2 minutes)
 #   bash benchmarks/gpu_suite.sh gemm     (the decode step's GEMMs per BLAS backend; ~1 minute)
 #   bash benchmarks/gpu_suite.sh gates_check (the gates' and CUDA graphs' GPU tests, structured-
 #                                          output overhead with the defaults; ~4 minutes)
@@ -318,6 +320,10 @@ host_ab() {  # before/after of the host's share of a decode step: BASELINE (anot
         --no-transformers --variants graphs-async --decode-batches 1 256 --profile \
         --out $out/kernels
 }
+memcheck() {
+    step memcheck 120 compute-sanitizer --tool memcheck --print-limit 20 \
+        python3 benchmarks/sanitize_engine.py
+}
 gemm() {  # the decode step's GEMMs alone, cuBLAS against cuBLASLt
     step gemm 90 python3 benchmarks/bench_gemm.py --out $out
 }
@@ -332,6 +338,6 @@ gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-: "${1:?one or more of: bench, check, decode_ab, host_ab, gemm, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+: "${1:?one or more of: bench, check, decode_ab, host_ab, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 for mode in "$@"; do "$mode"; done
 tail -n 200 $out/summary.log
