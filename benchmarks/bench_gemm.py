@@ -6,7 +6,9 @@ GEMMs. This times `F.linear` (bf16) at each of the step's shapes (the fused QKV,
 output, the fused gate/up and the down projection of a layer, and the LM head over the
 129,280-token vocabulary), for each row count and each of torch's BLAS backends on CUDA
 (cuBLAS and cuBLASLt), between CUDA events over `--iters` back-to-back calls, and reports the
-microseconds, the TFLOPS and the time of a whole step's GEMMs (16 layers and the LM head).
+microseconds (device time: the calls are replayed from a CUDA graph, as the engine's decode step
+is), the TFLOPS, the weights' read rate and the time of a whole step's GEMMs (16 layers and the
+LM head).
 Prints a table; writes benchmarks/results/bench_gemm.json and .png under `--out`.
     python benchmarks/bench_gemm.py [--rows 1 16 64 256]
 """
@@ -34,15 +36,20 @@ SHAPES = [
 
 
 def time_linear(rows: int, out_features: int, in_features: int, iters: int) -> float:
-    """Microseconds per `F.linear` of [rows, in] by [out, in] in bf16."""
+    """Device microseconds per `F.linear` of [rows, in] by [out, in] in bf16: `iters` calls
+    captured in a CUDA graph and replayed between two events (launched one by one from
+    Python, the small shapes would time the host's launches instead)."""
     x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
-    for _ in range(5):
-        F.linear(x, w)
+    F.linear(x, w)  # cuBLAS picks its algorithm and workspace outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            F.linear(x, w)
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(iters):
-        F.linear(x, w)
+    graph.replay()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / iters
@@ -94,7 +101,7 @@ def plot(results: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
-    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--iters", type=int, default=50, help="calls per graph")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     if not torch.cuda.is_available():
