@@ -133,14 +133,15 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             i += 1
-            unread = sum(seq.unread_drafts)  # the device may place this step that much later
+            # The device may place this step that much later (speculative decoding only).
+            unread = sum(seq.unread_drafts) if seq.unread_drafts else 0
             if seq.num_placeholders and len(seq.token_ids) + unread >= seq.max_len:
                 continue  # maybe at its limit once its pending tokens are read: wait for them
             computed = seq.num_computed_tokens
             n = len(seq.token_ids) - computed
             if n > budget:
                 n = budget
-            drafts = self._drafts(seq, n, budget)
+            drafts = self._drafts(seq, n, budget) if seq.draft_token_ids else []
             n += len(drafts)
             if n > 1 or unread or computed % block_size == 0:  # may need new blocks
                 while not bm.can_allocate(seq, computed + n + unread):
@@ -153,7 +154,8 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             batch.draft_token_ids.append(drafts)
-            batch.has_drafts = batch.has_drafts or bool(drafts)
+            if drafts:
+                batch.has_drafts = True
             budget -= n
         return budget, preempted
 
@@ -226,7 +228,8 @@ class Scheduler:
         for seq, n, drafts in zip(
             batch.seqs, batch.num_new_tokens, batch.draft_token_ids, strict=True
         ):
-            n -= len(drafts)  # a draft counts as computed only once accepted (`accept_draft`)
+            if drafts:  # a draft counts as computed only once accepted (`accept_draft`)
+                n -= len(drafts)
             start = seq.num_computed_tokens
             samples = start + n == len(seq.token_ids)
             starts.append(start)
@@ -271,7 +274,7 @@ class Scheduler:
                 continue
             if drafts and seq.unread_drafts:
                 del seq.unread_drafts[0]
-            seq.drafts_missed = len(more.get(seq.seq_id, ())) < len(drafts)
+            seq.drafts_missed = bool(drafts) and len(more.get(seq.seq_id, ())) < len(drafts)
             token = None
             if samples:
                 token = sampled.get(seq.seq_id)
