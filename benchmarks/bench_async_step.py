@@ -56,9 +56,7 @@ async def stream_batch(llm, prompts: list[list[int]], max_tokens: int) -> tuple[
 def side(args: argparse.Namespace) -> None:
     """One process, one checkout: ms per decode step at each batch size, as a JSON line."""
     import torch
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_host_step import FIRST_ORDINARY_ID, save_tiny_llama
+    from bench_host_step import FIRST_ORDINARY_ID, save_tiny_llama  # on the path: main
 
     from atom.config import EngineConfig
     from atom.model_engine.async_llm import AsyncLLM
@@ -120,23 +118,14 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--prompt-tokens", type=int, default=32)
-    ap.add_argument("--vocab", type=int, default=8192, help="LM head rows of the tiny model")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs of each side")
-    ap.add_argument("--baseline", type=Path, help="another checkout to measure the same way")
-    ap.add_argument("--model-dir", type=Path, default=Path("/tmp/atom-bench-tiny-llama"))
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--tag", default="", help="suffix of the output files")
-    ap.add_argument("--side", type=Path, help=argparse.SUPPRESS)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_host_step import before_after_args, save_tiny_llama
+
+    before_after_args(ap)
     args = ap.parse_args()
     if args.side is not None:
         side(args)
         return
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_host_step import save_tiny_llama
-
     save_tiny_llama(args.model_dir, args.vocab)  # once, here: each side then only loads it
     sides = {"current": ROOT} | ({"baseline": args.baseline} if args.baseline else {})
     runs: dict[str, list[dict]] = {name: [] for name in sides}

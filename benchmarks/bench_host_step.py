@@ -267,20 +267,25 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
+def before_after_args(ap: argparse.ArgumentParser) -> None:
+    """The options of a before/after run on the tiny model (this and `bench_async_step.py`)."""
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=8192, help="LM head rows of the tiny model")
-    ap.add_argument("--torch-threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved runs of each side")
     ap.add_argument("--baseline", type=Path, help="another checkout to measure the same way")
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/atom-bench-tiny-llama"))
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--tag", default="", help="suffix of the output files")
     ap.add_argument("--side", type=Path, help=argparse.SUPPRESS)
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
+    ap.add_argument("--torch-threads", type=int, default=1)
+    before_after_args(ap)
     return ap.parse_args()
 
 
