@@ -50,6 +50,9 @@
 #                                          then this one's kernels at batch 256; ~7 minutes)
 #   bash benchmarks/gpu_suite.sh memcheck (compute-sanitizer memcheck of the engine's asynchronous
 #                                          path with constrained requests; ~2 minutes)
+#   BASELINE=.baseline bash benchmarks/gpu_suite.sh final_check (the GPU tests of CUDA graphs, the
+#                                          grammar process and speculative decoding; the GEMMs;
+#                                          one round of host_ab without kernels; ~5 minutes)
 #   bash benchmarks/gpu_suite.sh gemm     (the decode step's GEMMs per BLAS backend; ~1 minute)
 #   bash benchmarks/gpu_suite.sh gates_check (the gates' and CUDA graphs' GPU tests, structured-
 #                                          output overhead with the defaults; ~4 minutes)
@@ -320,6 +323,18 @@ host_ab() {  # before/after of the host's share of a decode step: BASELINE (anot
         --no-transformers --variants graphs-async --decode-batches 1 256 --profile \
         --out $out/kernels
 }
+final_check() {
+    step pytest_final 200 python3 -m pytest -q -m gpu --durations=5 tests/spec_decode \
+        tests/structured_output/test_grammar_process.py tests/model_engine/test_cuda_graph.py
+    gemm
+    for side in baseline current; do
+        local root=$PWD
+        [[ $side == baseline ]] && root=$PWD/${BASELINE:?a baseline checkout folder}
+        step engine_$side 110 env PYTHONPATH=/tmp/site:$root python3 benchmarks/bench_engine.py \
+            --device cuda --random-llama-1b --no-transformers --variants graphs-async \
+            --repeats 5 --out $out/engine_$side
+    done
+}
 memcheck() {
     step memcheck 120 compute-sanitizer --tool memcheck --print-limit 20 \
         python3 benchmarks/sanitize_engine.py
@@ -338,6 +353,6 @@ gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-: "${1:?one or more of: bench, check, decode_ab, host_ab, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+: "${1:?one or more of: bench, check, decode_ab, host_ab, final_check, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 for mode in "$@"; do "$mode"; done
 tail -n 200 $out/summary.log
