@@ -19,7 +19,9 @@ lazy: the engine thread only keeps its tokens (`push`), and each output gets a `
 decodes them, the same way, when the output's text is first read, on the reader's thread (under
 a lock). On the 2-core CPU that is 1.55 µs per token on the engine thread against 6.5 eager
 (the eager report also copies the whole text each step); a reader that wants only the final text
-decodes it once (benchmarks/results/bench_host_step_cpu_lazy_text.log).
+decodes it once (benchmarks/results/bench_host_step_cpu_lazy_text.log). The engine thread decodes
+kept tokens ahead only while it waits for the device (`catch_up`), and the final output's text
+itself; tokens the byte-level shortcut covers are then decoded as one join of their texts.
 """
 
 from __future__ import annotations
