@@ -53,6 +53,10 @@
 #   BASELINE=.baseline bash benchmarks/gpu_suite.sh final_check (the GPU tests of CUDA graphs, the
 #                                          grammar process and speculative decoding; the GEMMs;
 #                                          one round of host_ab without kernels; ~5 minutes)
+#   bash benchmarks/gpu_suite.sh split_probe (would two grammar processes of half the rows beat
+#                                          one? bench_grammar_step at 256 rows on 16 cores, 128 on
+#                                          8, and 128 on 8 twice at once on disjoint cores; the
+#                                          GPU test of lazy text on CUDA; ~2 minutes)
 #   bash benchmarks/gpu_suite.sh gemm     (the decode step's GEMMs per BLAS backend; ~1 minute)
 #   bash benchmarks/gpu_suite.sh gates_check (the gates' and CUDA graphs' GPU tests, structured-
 #                                          output overhead with the defaults; ~4 minutes)
@@ -335,6 +339,20 @@ final_check() {
             --repeats 5 --out $out/engine_$side
     done
 }
+split_probe() {
+    local args="--tokenizers deepseek --cases int-array strings --steps 20 --warmup 3"
+    step split_256_t15 60 taskset -c 0-15 python3 benchmarks/bench_grammar_step.py $args \
+        --batches 256 --threads 15 --out $out/split_256_t15
+    step split_128_t7 60 taskset -c 0-7 python3 benchmarks/bench_grammar_step.py $args \
+        --batches 128 --threads 7 --out $out/split_128_t7
+    step split_128_t7_twice 80 bash -c "
+        taskset -c 0-7 python3 benchmarks/bench_grammar_step.py $args --batches 128 \
+            --threads 7 --out $out/split_twice_a >$out/split_twice_a.log 2>&1 &
+        taskset -c 8-15 python3 benchmarks/bench_grammar_step.py $args --batches 128 \
+            --threads 7 --out $out/split_twice_b >$out/split_twice_b.log 2>&1
+        wait"
+    step pytest_text 120 python3 -m pytest -q -m gpu tests/model_engine/test_cuda_graph.py -k text
+}
 memcheck() {
     step memcheck 120 compute-sanitizer --tool memcheck --print-limit 20 \
         python3 benchmarks/sanitize_engine.py
@@ -353,6 +371,6 @@ gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-: "${1:?one or more of: bench, check, decode_ab, host_ab, final_check, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+: "${1:?one or more of: bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 for mode in "$@"; do "$mode"; done
 tail -n 200 $out/summary.log

@@ -188,3 +188,29 @@ def test_graphs_with_a_structured_output_request(cuda_engines, monkeypatch):
     assert tokens[False] == tokens[True]
     answer = outputs[False][2]
     assert answer.error is None and json.loads(answer.text)["a"] in range(10)
+
+
+@pytest.mark.gpu
+def test_text_is_the_decoded_tokens_streamed_or_final_only(cuda_engines):
+    """Lazy text on CUDA (decoded ahead while the engine waits for the device, and at the end):
+    each request's streamed deltas join to its final text, which is its tokens decoded, and a
+    final-only request (`LLM.generate`) gets the same text."""
+    llm = cuda_engines[False]
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(10, 40000, (12,), generator=g).tolist() for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine, deltas, finals = llm.engine, {}, {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"t{i}", prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas[out.request_id] = deltas.get(out.request_id, "") + out.delta_text
+            if out.finished:
+                finals[out.request_id] = out
+    generated = llm.generate(prompts, params, use_tqdm=False)
+    for i, final_only in enumerate(generated):
+        out = finals[f"t{i}"]
+        decoded = llm.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
+        assert deltas[f"t{i}"] == out.text == decoded
+        assert final_only.output_token_ids == out.output_token_ids
+        assert final_only.text == final_only.delta_text == out.text
