@@ -340,7 +340,7 @@ final_check() {
     done
 }
 split_probe() {
-    local args="--tokenizers deepseek --cases int-array strings --steps 20 --warmup 3"
+    local args="--tokenizers deepseek --cases int-array --steps 300 --warmup 5"  # overlapping
     step split_256_t15 60 taskset -c 0-15 python3 benchmarks/bench_grammar_step.py $args \
         --batches 256 --threads 15 --out $out/split_256_t15
     step split_128_t7 60 taskset -c 0-7 python3 benchmarks/bench_grammar_step.py $args \
