@@ -60,7 +60,7 @@ from atom.entrypoints.openai.serving_engine import (
     random_id,
     run_until_disconnect,
 )
-from atom.entrypoints.openai.sse import DONE, SSEResponse, data_event, wire
+from atom.entrypoints.openai.sse import DONE, SSEResponse, TextEvents, data_event, wire
 from atom.entrypoints.openai.tool_calls import ToolRequest, read_tools
 from atom.entrypoints.openai.vllm_fields import (
     constrain,
@@ -132,6 +132,22 @@ class _Chunks:
     model: str
     include_usage: bool  # then every chunk but the last says `"usage": null`
     created: int = field(default_factory=lambda: int(time.time()))
+    _content: dict[int, TextEvents] = field(default_factory=dict, init=False)
+
+    def content_event(self, index: int, text: str) -> str:
+        """The event of `delta(index, ChoiceDelta(content=text))`, from a template per choice
+        (most of a stream: a content delta without logprobs)."""
+        events = self._content.get(index)
+        if events is None:
+
+            def render(content: str) -> str:
+                return data_event(self.delta(index, ChoiceDelta(content=content)))
+
+            try:
+                events = self._content[index] = TextEvents(render)
+            except ValueError:  # the chunk's other fields hold the template's marker
+                return render(text)
+        return events(text)
 
     def _chunk(self, choices: list[ChunkChoice], **usage: Any) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -363,6 +379,9 @@ class ServingChat:
                 if isinstance(piece, Finished):
                     more = self._usage(piece)
                     usage = more if usage is None else _add_usage(usage, more)
+                if isinstance(piece, AnswerDelta) and piece.logprobs is None:
+                    yield chunks.content_event(index, piece.text)
+                    continue
                 for chunk in self._piece_chunks(chunks, index, piece, top):
                     yield data_event(chunk)
         if include_usage and usage is not None:
