@@ -371,8 +371,7 @@ def _drive(engine: LLMEngine, seqs: dict[str, Sequence], forced: dict[str, list[
         for seq in batch.seqs:
             if seq.seq_id in result.errors:
                 errors[seq.request_id] = result.errors[seq.seq_id]
-                core.scheduler.finish(seq, "error")
-                core._output(core.states[seq.request_id], [], error=errors[seq.request_id])
+                core._fail(seq, errors[seq.request_id])
                 continue
             if seq.seq_id in tokens:
                 sampled[seq.request_id].append(tokens[seq.seq_id])
