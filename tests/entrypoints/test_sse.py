@@ -1,5 +1,6 @@
-"""Server-sent events from a template: a content delta's event is byte for byte the one built
-from the chunk model, whatever the text."""
+"""Server-sent events from a template: a Chat Completions content delta's event and a Messages
+text or thinking delta's event are byte for byte the ones built from their models, whatever the
+text."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
 from atom.entrypoints.openai.serving_chat import _Chunks
+from atom.entrypoints.openai.serving_messages import _Blocks, _delta_event
 from atom.entrypoints.openai.sse import TextEvents, data_event
+from atom.entrypoints.reasoning import REASONING, TEXT
 
 SPECIAL = [
     '"',
@@ -29,14 +32,18 @@ SPECIAL = [
 ]
 
 
+def _texts(seed: int, n: int):
+    rng = random.Random(seed)
+    for _ in range(n):
+        pieces = SPECIAL + [chr(rng.randrange(0x20, 0x3000)) for _ in range(5)]
+        yield rng, "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 12)))
+
+
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_content_event_is_the_chunk_model_dumped(include_usage):
-    rng = random.Random(5)
     chunks = _Chunks('chatcmpl-"x"', "model \\ ü", include_usage)
-    for _ in range(500):
+    for rng, text in _texts(5, 500):
         index = rng.randrange(3)
-        pieces = SPECIAL + [chr(rng.randrange(0x20, 0x3000)) for _ in range(5)]
-        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 12)))
         want = data_event(chunks.delta(index, ChoiceDelta(content=text)))
         assert chunks.content_event(index, text) == want
 
@@ -52,3 +59,12 @@ def test_a_chunk_holding_the_marker_is_still_right():
     chunks = _Chunks("chatcmpl-x", "\x00atom-text\x00", False)  # the marker in another field
     want = data_event(chunks.delta(0, ChoiceDelta(content="hi")))
     assert chunks.content_event(0, "hi") == want
+
+
+def test_message_delta_events_are_the_event_models_dumped():
+    blocks = _Blocks()
+    for rng, text in _texts(6, 300):
+        kind = rng.choice([REASONING, TEXT])
+        events = blocks.delta(kind, text)
+        assert events[-1] == _delta_event(kind, blocks.index, text)
+        assert f'"index":{blocks.index},' in events[-1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from anthropic.types import (
@@ -58,7 +59,7 @@ from atom.entrypoints.openai.serving_engine import (
     random_id,
     run_until_disconnect,
 )
-from atom.entrypoints.openai.sse import SSEResponse, typed_event, wire
+from atom.entrypoints.openai.sse import SSEResponse, TextEvents, typed_event, wire
 from atom.entrypoints.openai.tool_calls import ToolRequest, preflight, read_anthropic_tools
 from atom.entrypoints.reasoning import REASONING, TEXT
 from atom.entrypoints.tool_parsers import ToolCall
@@ -161,6 +162,17 @@ def _tool_use(call: ToolCall) -> ToolUseBlock:
     return ToolUseBlock(type="tool_use", id=random_id("toolu_"), name=call.name, input=arguments)
 
 
+def _delta_event(kind: str, index: int, text: str) -> str:
+    """The content_block_delta event of `text` in block `index` (thinking or text)."""
+    if kind == REASONING:
+        delta: ThinkingDelta | TextDelta = ThinkingDelta(type="thinking_delta", thinking=text)
+    else:
+        delta = TextDelta(type="text_delta", text=text)
+    return typed_event(
+        RawContentBlockDeltaEvent(type="content_block_delta", index=index, delta=delta)
+    )
+
+
 class _Blocks:
     """The content blocks of one streamed message, one open at a time, numbered in order; a
     message without tool calls always ends with a text block (empty when the answer is)."""
@@ -170,6 +182,7 @@ class _Blocks:
         self.kind: str | None = None  # channel of the open block: REASONING, TEXT or TOOL_USE
         self.text_opened = False
         self.tool_used = False
+        self._delta_events: dict[tuple[str, int], TextEvents] = {}  # by (kind, block index)
         self.tool_index = -1  # the turn's index of the last tool_use block opened
 
     def tool_start(self, index: int, name: str) -> list[str]:
@@ -222,12 +235,11 @@ class _Blocks:
 
     def delta(self, kind: str, text: str) -> list[str]:
         events = self._open(kind) if self.kind != kind else []
-        if kind == REASONING:
-            delta: ThinkingDelta | TextDelta = ThinkingDelta(type="thinking_delta", thinking=text)
-        else:
-            delta = TextDelta(type="text_delta", text=text)
-        event = RawContentBlockDeltaEvent(type="content_block_delta", index=self.index, delta=delta)
-        return [*events, typed_event(event)]
+        key = (kind, self.index)
+        render = self._delta_events.get(key)
+        if render is None:  # a template per block (`TextEvents`): most events of a stream
+            render = self._delta_events[key] = TextEvents(partial(_delta_event, *key))
+        return [*events, render(text)]
 
     def finish(self, done: Finished) -> list[str]:
         events = [] if self.text_opened or self.tool_used else self._open(TEXT)
