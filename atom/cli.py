@@ -86,6 +86,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "off on CPU; see README)",
     )
     g.add_argument(
+        "--structured-output-grammar-processes",
+        type=int,
+        default=None,
+        help="grammar processes per rank, each on its own share of the cores (default: one "
+        "per 7 cores the engine thread leaves, one with speculative decoding)",
+    )
+    g.add_argument(
         "--speculative-method",
         choices=get_args(SpeculativeMethod),
         default=None,
@@ -172,6 +179,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling,
         structured_output_whitespace=args.structured_output_whitespace,
         structured_output_grammar_process=args.structured_output_grammar_process,
+        structured_output_grammar_processes=args.structured_output_grammar_processes,
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_model=args.speculative_model,

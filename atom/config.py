@@ -14,13 +14,23 @@ StructuredOutputWhitespace = Literal["compact", "space", "indent", "flexible"]
 # itself, or a smaller draft model sharing the target's tokenizer.
 SpeculativeMethod = Literal["ngram", "draft"]
 MAX_GRAMMAR_THREADS = 16
+# Cores per grammar process by default: one process's llguidance executor stops scaling at about
+# 8 threads (H200 host, 256 integer-array rows: 15 threads took 1.6x what 7 took for 128 rows;
+# two processes of 7 threads on disjoint cores took 1.76 ms beside each other, one of 15 took
+# 3.05 ms: benchmarks/results/h200_2026-12-04d).
+CORES_PER_GRAMMAR_PROCESS = 7
+
+
+def available_cores() -> int:
+    """The cores this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores or 1
 
 
 def default_grammar_threads() -> int:
     """The cores this process may use, capped: the mask fill of many requests stops scaling well
     before a large host's core count, and every rank fills its own masks."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(cores or 1, MAX_GRAMMAR_THREADS))
+    return max(1, min(available_cores(), MAX_GRAMMAR_THREADS))
 
 
 @dataclass
@@ -82,6 +92,11 @@ class EngineConfig:
     # benchmarks/results/h200_2026-12-03j): enabled-request overhead 1.13/1.08/1.22 at batch
     # 16/64/256 with it, 1.60/1.84/1.83 without.
     structured_output_grammar_process: bool | None = None
+    # How many grammar processes a rank splits its constrained requests over, each on its own
+    # share of the cores (structured_output/grammar_pool.py). None: one per
+    # CORES_PER_GRAMMAR_PROCESS cores the engine thread leaves free (2 on a 16-core host), one
+    # with speculative decoding, whose steps wait for one process's rows.
+    structured_output_grammar_processes: int | None = None
     # Speculative decoding: up to `num_speculative_tokens` drafts per sequence and step, verified
     # by one target forward (model_ops/rejection_sampler.py). N-gram lookup keeps asynchronous
     # scheduling (drafts proposed a step ahead, positions corrected on the device); a draft model
@@ -100,6 +115,7 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         self._check_speculative()
         self._check_parallel()
+        self._check_grammar_processes()
 
     def grammar_process(self, device_type: str) -> bool:
         """Whether ranks on ``device_type`` ("cuda", "cpu") keep their grammar states in a
@@ -107,6 +123,29 @@ class EngineConfig:
         if self.structured_output_grammar_process is None:
             return device_type == "cuda"
         return self.structured_output_grammar_process
+
+    def grammar_processes(self, device_type: str) -> int:
+        """How many grammar processes a rank on ``device_type`` starts (0: its states live in
+        its own process)."""
+        if not self.grammar_process(device_type):
+            return 0
+        if self.structured_output_grammar_processes is not None:
+            return self.structured_output_grammar_processes
+        if self.speculative_method is not None:
+            return 1
+        return max(1, (available_cores() - 1) // CORES_PER_GRAMMAR_PROCESS)
+
+    def _check_grammar_processes(self) -> None:
+        count = self.structured_output_grammar_processes
+        if count is None:
+            return
+        if count < 1:
+            raise ValueError("structured_output_grammar_processes must be at least 1")
+        if count > 1 and self.speculative_method is not None:
+            raise ValueError(
+                "structured_output_grammar_processes: speculative decoding takes one grammar "
+                f"process (got {count})"
+            )
 
     def _check_parallel(self) -> None:
         if self.tensor_parallel_size < 1 or self.data_parallel_size < 1:

@@ -186,7 +186,8 @@ def kv_cache_bytes(args: argparse.Namespace) -> int:
 
 
 def make_engine(args: argparse.Namespace, **overrides: Any) -> Any:
-    """The benchmark's engine (`--grammar-process`, `--grammar-threads`); `overrides`: other
+    """The benchmark's engine (`--grammar-process`, `--grammar-processes`, `--grammar-threads`);
+    `overrides`: other
     `EngineConfig` fields.
 
     Its startup heap is then frozen out of the garbage collector, as `atom serve` freezes its
@@ -197,6 +198,8 @@ def make_engine(args: argparse.Namespace, **overrides: Any) -> Any:
 
     if getattr(args, "grammar_process", None) is not None:
         overrides.setdefault("structured_output_grammar_process", args.grammar_process == "on")
+    if getattr(args, "grammar_processes", None) is not None:
+        overrides.setdefault("structured_output_grammar_processes", args.grammar_processes)
     if getattr(args, "grammar_threads", None) is not None:
         overrides.setdefault("structured_output_threads", args.grammar_threads)
     engine = LLMEngine(
@@ -642,6 +645,7 @@ def engine_info(engine: Any) -> dict:
         "structured_output_threads": c.structured_output_threads,
         "structured_output_whitespace": c.structured_output_whitespace,
         "structured_output_grammar_process": c.structured_output_grammar_process,
+        "structured_output_grammar_processes": c.grammar_processes(c.device),
     }
 
 
@@ -829,6 +833,12 @@ def parse_args() -> argparse.Namespace:
         choices=["on", "off"],
         default=None,
         help="grammar states in a process of their own (default: the engine's)",
+    )
+    ap.add_argument(
+        "--grammar-processes",
+        type=int,
+        default=None,
+        help="grammar processes per rank (default: the engine's, one per 7 spare cores)",
     )
     ap.add_argument(
         "--grammar-threads",

@@ -60,6 +60,12 @@
 #   bash benchmarks/gpu_suite.sh gemm     (the decode step's GEMMs per BLAS backend; ~1 minute)
 #   bash benchmarks/gpu_suite.sh gates_check (the gates' and CUDA graphs' GPU tests, structured-
 #                                          output overhead with the defaults; ~4 minutes)
+#   [ROUNDS=1 REPEATS=2] bash benchmarks/gpu_suite.sh processes (the grammar process GPU tests,
+#                                          then the structured-output overhead with one grammar
+#                                          process and with two, alternated; ~6 minutes a round)
+#   bash benchmarks/gpu_suite.sh processes_profile (host segments of a step and the grammar
+#                                          processes' time per gate at batch 64 and 256, one
+#                                          process and two; ~4 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -367,10 +373,28 @@ gates_check() {  # the gates' GPU tests (a killed child among them) and the CUDA
     step structured 110 python3 benchmarks/bench_structured_serving.py --random-llama-1b \
         --device cuda --schema-kinds mostly-forbidden --tag gates_check --out $out
 }
+processes() {  # one grammar process per rank against two (the default on 16 cores)
+    step pytest_processes 200 python3 -m pytest -q -m gpu --durations=5 \
+        tests/structured_output/test_grammar_process.py
+    for round in $(seq ${ROUNDS:-1}); do
+        for n in 1 2; do
+            step structured_p${n}_$round 130 python3 benchmarks/bench_structured_serving.py \
+                --random-llama-1b --device cuda --schema-kinds mostly-forbidden \
+                --repeats ${REPEATS:-2} --grammar-processes $n --tag p${n}_$round --out $out
+        done
+    done
+}
+processes_profile() {  # segments of a step, and the busiest child's time per gate, 1 and 2
+    for n in 1 2; do
+        step profile_p$n 110 python3 benchmarks/profile_step.py --random-llama-1b --device cuda \
+            --batch-sizes 64 256 --schemas mostly-forbidden --steps 24 --profile-steps 2 \
+            --grammar-process on --grammar-processes $n --tag p$n --out $out
+    done
+}
 gpu_tests() {  # the GPU tests alone
     step pytest_gpu 240 python3 -m pytest -q -m gpu --durations=10 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-: "${1:?one or more of: bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+: "${1:?one or more of: processes, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 for mode in "$@"; do "$mode"; done
 tail -n 200 $out/summary.log

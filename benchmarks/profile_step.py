@@ -98,9 +98,9 @@ def instrument(engine: Any, segments: Segments) -> None:
             (worker.manager, "fill_masks", "fill"),  # grammar thread
             (worker.manager, "commit_many", "commit_many"),  # grammar thread
         ]
-    if worker.process is not None:  # commit and fill run in the grammar process
+    if worker.pool is not None:  # commit and fill run in the grammar processes
         wraps += [
-            (worker.process, "call", "grammar_process_call"),  # grammar thread (drafts)
+            (worker.pool.processes[0], "call", "grammar_process_call"),  # grammar thread (drafts)
             (runner, "_gate_commits", "gate_commits"),  # engine thread, from here on
             (worker, "gate_step", "gate_send_mask"),
             (worker, "publish", "gate_publish"),
@@ -111,35 +111,38 @@ def instrument(engine: Any, segments: Segments) -> None:
 
 
 class ChildTiming:
-    """With gates: the grammar process's own time per gate (``_Grammars.gate_timing``), busy and
-    waiting for the stream, over the gates of the timed steps (read before the first and after
-    the last: a call waits for the gates in flight, so never between two timed steps)."""
+    """With gates: each grammar process's own time per gate (``_Grammars.gate_timing``), busy
+    and waiting for the stream, over the gates of the timed steps (read before the first and
+    after the last: a call waits for the gates in flight, so never between two timed steps);
+    reported for the busiest process."""
 
     def __init__(self, engine: Any) -> None:
         (runner,) = engine.executor.workers
         worker = runner.structured_output
-        self.process = worker.process if worker.process is not None and worker.gates else None
-        self.gates, self.busy_s, self.waited_s = 0, 0.0, 0.0
-        self._before: tuple[int, float, float] | None = None
+        self.processes = worker.pool.processes if worker.pool is not None and worker.gates else []
+        self.totals = [[0, 0.0, 0.0] for _ in self.processes]  # gates, busy s, waited s
+        self._before: list[tuple[int, float, float]] = []
 
     def start(self) -> None:
-        if self.process is not None:
-            self._before = self.process.call("gate_timing")
+        self._before = [p.call("gate_timing") for p in self.processes]
 
     def stop(self) -> None:
-        if self.process is None or self._before is None:
+        if not self._before:
             return
-        gates, busy, waited = self.process.call("gate_timing")
-        self.gates += gates - self._before[0]
-        self.busy_s += busy - self._before[1]
-        self.waited_s += waited - self._before[2]
+        for total, process, before in zip(self.totals, self.processes, self._before, strict=True):
+            now = process.call("gate_timing")
+            for k in range(3):
+                total[k] += now[k] - before[k]
 
     def per_step_ms(self) -> dict:
-        if not self.gates:
+        busiest = max(self.totals, key=lambda t: t[1] - t[2], default=None)
+        if busiest is None or not busiest[0]:
             return {}
+        gates, busy_s, waited_s = busiest
         return {
-            "child_gate_ms": 1000 * (self.busy_s - self.waited_s) / self.gates,
-            "child_wait_ms": 1000 * self.waited_s / self.gates,
+            "child_gate_ms": 1000 * (busy_s - waited_s) / gates,
+            "child_wait_ms": 1000 * waited_s / gates,
+            "grammar_processes": len(self.processes),
         }
 
 
@@ -264,7 +267,7 @@ def make_engine(args: argparse.Namespace) -> Any:
 
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
-    return bss.make_engine(args)  # it reads --grammar-process and --grammar-threads
+    return bss.make_engine(args)  # it reads --grammar-process(es) and --grammar-threads
 
 
 def print_table(rows: list[dict]) -> None:
@@ -298,6 +301,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--grammar-threads", type=int, default=None, help="llguidance executor")
     ap.add_argument(
         "--grammar-process", choices=["on", "off"], default=None, help="default: the engine's (off)"
+    )
+    ap.add_argument(
+        "--grammar-processes", type=int, default=None, help="default: the engine's (by cores)"
     )
     ap.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument(

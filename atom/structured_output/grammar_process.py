@@ -50,7 +50,7 @@ from atom.structured_output.grammar_board import (
     stamp_of,
 )
 
-__all__ = ["GrammarProcess", "GrammarProcessError", "Ticket"]
+__all__ = ["GrammarProcess", "GrammarProcessError", "Ticket", "split_cores"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,14 +66,21 @@ class GrammarProcessError(RuntimeError):
 class GrammarProcess:
     """The rank's handle on its grammar child: the manager's calls, and the shared mask rows."""
 
-    def __init__(self, tokenizer: str | Path, manager_options: dict, timeout_s: float) -> None:
+    def __init__(
+        self,
+        tokenizer: str | Path,
+        manager_options: dict,
+        timeout_s: float,
+        cores: list[int] | None = None,
+    ) -> None:
         """Spawns the child and waits (seconds: it loads the tokenizer) until its manager is
-        built; ``manager_options``: ``StructuredOutputManager``'s keyword arguments."""
+        built; ``manager_options``: ``StructuredOutputManager``'s keyword arguments; ``cores``:
+        the only cores the child and its llguidance threads run on (``split_cores``)."""
         ctx = mp.get_context("spawn")  # never fork: the rank holds threads and CUDA state
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(
             target=_serve,
-            args=(child, str(tokenizer), manager_options),
+            args=(child, str(tokenizer), manager_options, cores),
             name="atom-grammar-process",
             # Not a daemon: a rank's own process is one, and daemons may not have children. The
             # child ends when this end of the pipe closes, at ``shutdown`` or at exit (before
@@ -277,6 +284,10 @@ class _Grammars:
         self._views: dict[tuple[int, int], torch.Tensor] = {}  # fill_masks keeps a view it knows
         self._gates, self._gate_s, self._waited_s = 0, 0.0, 0.0  # see gate_timing
         self._last_gate: tuple[list, list] = ([], [])  # commits and jobs, reused when unsent
+        # The last gate whose rows went into each area: the next gate that writes there waits
+        # until the stream copied them (a rank with several grammar processes sends each only
+        # the gates with its requests in them, so that is not always two gates back).
+        self._area_gate = [0, 0]
 
     def admit(self, spec: Any, api_fingerprint: str, vocab_size: int, wait_s: float) -> Any:
         return self.manager.admit(spec, api_fingerprint, vocab_size, wait_s)
@@ -343,7 +354,8 @@ class _Grammars:
 
         self.manager.commit_many(self._resolve(board, gate, commits, timeout_s))
         waited = time.perf_counter()
-        board.wait(COPIED, gate - 2, timeout_s)
+        board.wait(COPIED, self._area_gate[gate % 2], timeout_s)
+        self._area_gate[gate % 2] = gate
         self._waited_s += time.perf_counter() - waited
         filled = fill_rows(self.manager, lambda n: self._rows(gate % 2, n), jobs)
         masked = set(filled.logits_rows)
@@ -381,24 +393,39 @@ class _Grammars:
         return updates
 
 
-def _leave_a_core(manager_options: dict) -> dict:
-    """Keep the child (and llguidance's executor threads, which inherit its affinity) off one of
-    its cores, so the rank's engine thread always finds one free: with the child on every core,
-    the engine thread's step at batch 256 took 2x as long on the H200's 16 cores while the
-    child filled (benchmarks/results/h200_2026-12-03n). Hosts with fewer than 4 cores keep them
-    all."""
+def split_cores(count: int) -> list[list[int] | None]:
+    """The cores of each of ``count`` grammar processes: this process's cores but the last (the
+    engine thread always finds that one free: with a child on every core, the engine thread's
+    step at batch 256 took 2x as long on the H200's 16 cores while the child filled,
+    benchmarks/results/h200_2026-12-03n), in ``count`` contiguous shares. Hosts with fewer than
+    4 cores keep them all, shared (None: no pinning)."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if len(cores) < 4:
+        return [None] * count
+    usable = cores[:-1]
+    count = min(count, len(usable))
+    shares = [
+        usable[len(usable) * i // count : len(usable) * (i + 1) // count] for i in range(count)
+    ]
+    return shares
+
+
+def _pin(manager_options: dict, cores: list[int] | None) -> dict:
+    """Keep the child (and llguidance's executor threads, which inherit its affinity) on
+    ``cores``, with at most one executor thread per core."""
+    if not cores:
         return manager_options
-    os.sched_setaffinity(0, cores[:-1])
-    return {**manager_options, "threads": min(manager_options["threads"], len(cores) - 1)}
+    os.sched_setaffinity(0, cores)
+    return {**manager_options, "threads": min(manager_options["threads"], len(cores))}
 
 
-def _serve(conn: Connection, tokenizer: str, manager_options: dict) -> None:
+def _serve(
+    conn: Connection, tokenizer: str, manager_options: dict, cores: list[int] | None
+) -> None:
     """The child: build the manager, then answer calls until shutdown or a closed pipe."""
     torch.set_num_threads(1)
     try:
-        grammars = _Grammars(tokenizer, _leave_a_core(manager_options))
+        grammars = _Grammars(tokenizer, _pin(manager_options, cores))
     except Exception as e:  # noqa: BLE001 - reported to the rank, which refuses structured output
         conn.send((False, f"structured output initialization failed: {e!r}"))
         return

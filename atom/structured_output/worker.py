@@ -19,11 +19,12 @@ request's life on a rank:
 - ``release`` on any terminal path, idempotently.
 
 With a grammar process (``EngineConfig.grammar_process``: on CUDA by default) the states live in
-a process of their own (``grammar_process``): the same steps run there, on their own
-interpreter, and write the rows into memory both processes map. Without speculative decoding its
-steps are gates (``gate_step``, ``grammar_board``): the stream, not this thread, waits for the
-rows, so the engine thread only sends a step and reads its errors with its output; and while
-gates are in flight ``prepare`` asks without waiting and answers at a later poll.
+a process of their own (``grammar_process``), or are split over several (``grammar_pool``): the
+same steps run there, on their own interpreters, and write the rows into memory each shares with
+this process. Without speculative decoding the steps are gates (``gate_step``,
+``grammar_board``): the stream, not this thread, waits for the rows, so the engine thread only
+sends a step and reads its errors with its output; and while gates are in flight ``prepare``
+asks without waiting and answers at a later poll.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from atom.structured_output.grammar_board import (
     GrammarBoardTimeout,
     stamp_of,
 )
-from atom.structured_output.grammar_process import GrammarProcess, GrammarProcessError, Ticket
+from atom.structured_output.grammar_pool import GrammarPool
+from atom.structured_output.grammar_process import GrammarProcess, GrammarProcessError
 from atom.structured_output.grammar_rows import GrammarRows, RowJob, fill_rows
 from atom.structured_output.manager import AdmissionResult, StructuredOutputManager
 from atom.structured_output.stream_flags import current_stream_handle, stream_wait, stream_write
@@ -100,22 +102,20 @@ class StructuredOutputWorker:
         self.model = model
         self.device = device
         self.rank = rank
-        # Set by the initialization thread: the grammar states, in this process or in a
-        # process of their own (``grammar_process``).
+        # Set by the initialization thread: the grammar states, in this process or in
+        # processes of their own (``grammar_pool``).
         self.manager: StructuredOutputManager | None = None
-        self.process: GrammarProcess | None = None
+        self.pool: GrammarPool | None = None
         self._init_thread: threading.Thread | None = None
         self._init_error: str | None = None
         self._mask_buffers: MaskBuffers | None = None  # allocated by the first mask
-        self._gate = 0  # the last gate sent to the grammar process
-        self._gate_area: torch.Tensor | None = None  # CUDA: a gate's area copied to the device
+        self._gate = 0  # the last gate sent to the grammar processes
+        # CUDA: per grammar process, a device buffer its gates' areas are copied into.
+        self._gate_areas: list[torch.Tensor] = []
         self._stream: int | None = None  # CUDA: the last gate's stream (its driver handle)
         self._stream_flags: bool | None = None  # whether the stream waits work (``gates``)
-        # ``prepare`` sent to a busy grammar process: the ticket and items of the ask in flight,
-        # and answers not yet given to the engine, by request id (``_prepare_in_process``).
-        self._prepare_ticket: Ticket | None = None
-        self._asked: list[tuple[str, Any]] = []
-        self._prepared: dict[str, AdmissionResult] = {}
+        # Per gate in flight: the grammar processes it went to, each with its jobs.
+        self._gate_jobs: dict[int, list[tuple[int, list[RowJob]]]] = {}
         # Steps run one at a time on this thread; the lock keeps RPCs from touching grammar
         # states while one runs (the engine never overlaps them, this makes sure of it).
         self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="atom-grammar-step")
@@ -136,8 +136,8 @@ class StructuredOutputWorker:
         if not self._initialized:
             self._start_init()
             return self._answer("pending")
-        if self.process is not None:
-            result = self.process.call("admit", spec, api_fingerprint, vocab_size, wait_s)
+        if self.pool is not None:
+            result = self.pool.admit(spec, api_fingerprint, vocab_size, wait_s)
         else:
             result = self.manager.admit(spec, api_fingerprint, vocab_size, wait_s)
         return self._answer(result.status, result.message)
@@ -155,44 +155,15 @@ class StructuredOutputWorker:
             return {rid: AdmissionResult("pending") for rid, _ in items}
         if refusal is not None:
             return {rid: AdmissionResult("error", refusal) for rid, _ in items}
-        if self.process is not None:
-            return self._prepare_in_process(items)
+        if self.pool is not None:
+            return self.pool.prepare(items)
         with self._lock:
             return {rid: self.manager.prepare(rid, spec) for rid, spec in items}
 
-    def _prepare_in_process(self, items: list[tuple[str, Any]]) -> dict[str, AdmissionResult]:
-        """``prepare`` with a grammar process. With messages in flight (gates) a call would wait
-        for them, holding up the engine thread for a step: then the items are sent without
-        waiting, and answered at a later poll from what the grammar process said (pending until
-        then; a pending answer is asked again)."""
-        process = self.process
-        if not process.busy:
-            return process.call("prepare", items)
-        if self._prepare_ticket is not None:
-            try:
-                answers = process.answer_of(self._prepare_ticket, wait=False)
-            except GrammarProcessError as e:
-                answers = {rid: AdmissionResult("error", str(e)) for rid, _ in self._asked}
-            if answers is not None:
-                self._prepared.update(answers)
-                self._prepare_ticket, self._asked = None, []
-        results, ask = {}, []
-        for rid, spec in items:
-            result = self._prepared.pop(rid, None)
-            if result is None or result.status == "pending":
-                result = AdmissionResult("pending")
-                ask.append((rid, spec))
-            results[rid] = result
-        if ask and self._prepare_ticket is None:
-            self._prepare_ticket, self._asked = process.send("prepare", ask), ask
-        return results
-
     def release(self, request_ids: list[str]) -> None:
         """Drop these requests' grammar state; idempotent (every terminal path may call it)."""
-        for rid in request_ids:
-            self._prepared.pop(rid, None)
-        if self.process is not None and self.process.dead_reason is None:
-            self.process.cast("release", request_ids)  # in order, unanswered
+        if self.pool is not None:
+            self.pool.release(request_ids)  # in order behind the gates, unanswered
         elif self.manager is not None:
             with self._lock:
                 for rid in request_ids:
@@ -200,8 +171,8 @@ class StructuredOutputWorker:
 
     def stats(self) -> dict[str, int]:
         live, cached = 0, 0
-        if self.process is not None and self.process.dead_reason is None:
-            live, cached = self.process.call("counts")
+        if self.pool is not None:
+            live, cached = self.pool.counts()
         elif self.manager is not None:
             live, cached = self.manager.num_live_states, self.manager.num_cached_grammars
         return {"live_grammar_states": live, "cached_grammars": cached}
@@ -210,12 +181,12 @@ class StructuredOutputWorker:
         self._step_thread.shutdown(wait=True)
         if self.manager is not None:
             self.manager.shutdown()
-        if self.process is not None:
-            self.process.shutdown()
+        if self.pool is not None:
+            self.pool.shutdown()
 
     @property
     def _initialized(self) -> bool:
-        return self.manager is not None or self.process is not None
+        return self.manager is not None or self.pool is not None
 
     # ---- per step: commit and fill on the grammar thread, apply on the caller's ------------------
 
@@ -294,9 +265,9 @@ class StructuredOutputWorker:
             self._mask_buffers = self._new_mask_buffers(
                 logits.shape[1] if logits is not None else 0
             )
-        if self.process is not None:
+        if self.pool is not None:  # one grammar process without gates (``_initialize``)
             self._mask_buffers.wait_host_free()  # the child writes into the rows the copy reads
-            return self.process.call("step", commits, jobs)
+            return self.pool.processes[0].call("step", commits, jobs)
         with self._lock:
             if self.manager is not None and commits:
                 self.manager.commit_many(commits)
@@ -304,14 +275,18 @@ class StructuredOutputWorker:
 
     def _new_mask_buffers(self, vocab_size: int) -> MaskBuffers:
         """In-process rows grow on demand; a grammar process's are mapped once (its board),
-        for the most rows a step can have."""
-        if self.process is None:
+        for the most rows a step can have (the first process's are the rows of steps that
+        wait for them)."""
+        if self.pool is None:
             return MaskBuffers(vocab_size, self.device)
         most = self.config.max_num_seqs * (1 + self.config.num_speculative_tokens)
-        board = self.process.map_board(most, num_mask_words(vocab_size), self.device)
+        boards = [
+            p.map_board(most, num_mask_words(vocab_size), self.device) for p in self.pool.processes
+        ]
         if self.device.type == "cuda":
-            self._gate_area = torch.empty_like(board.area(0, most), device=self.device)
-        return MaskBuffers(vocab_size, self.device, host=board.rows(0))
+            area = boards[0].area(0, most)
+            self._gate_areas = [torch.empty_like(area, device=self.device) for _ in boards]
+        return MaskBuffers(vocab_size, self.device, host=boards[0].rows(0))
 
     # ---- per step with a grammar process: gates, nothing waits on this thread --------------------
 
@@ -320,7 +295,12 @@ class StructuredOutputWorker:
         """Whether constrained steps go through gates (``grammar_board``): with a grammar
         process, without speculative decoding (whose steps wait for their rows), and on CUDA
         where the driver has stream memory operations."""
-        if self.process is None or self.config.speculative_method is not None:
+        return self.pool is not None and self._can_gate()
+
+    def _can_gate(self) -> bool:
+        """Gates but for the grammar process: no speculative decoding, stream memory
+        operations on CUDA."""
+        if self.config.speculative_method is not None:
             return False
         if self._stream_flags is None:
             self._stream_flags = self.device.type != "cuda" or _stream_flags_work(self.device)
@@ -339,69 +319,102 @@ class StructuredOutputWorker:
     def gate_step(
         self, commits: list[GateCommit], seqs: list[Sequence], logits: torch.Tensor
     ) -> int:
-        """Send a step's grammar work to the grammar process and queue the masking of
-        ``logits`` behind it; returns the step's gate. ``commits``: the acknowledged tokens per
-        request, a placeholder's source a ``(gates back, row)`` of the ring (``publish``).
+        """Send a step's grammar work to the grammar processes that own its constrained
+        requests and queue the masking of ``logits`` behind it; returns the step's gate.
+        ``commits``: the acknowledged tokens per request, a placeholder's source a
+        ``(gates back, row)`` of the ring (``publish``).
 
-        On CUDA the stream waits for the child's rows, copies them, marks them copied and
+        On CUDA the stream waits for each child's rows, copies them, marks them copied and
         masks; the caller queues the sampling next, and nothing here waits. On CPU this waits
-        for the rows and masks at once. A child that fails leaves the logits unmasked and fails
-        the gate's requests (``gate_errors``)."""
+        for the rows and masks at once. A child that fails leaves its rows unmasked and fails
+        its requests (``gate_errors``)."""
         if self._mask_buffers is None:
             self._mask_buffers = self._new_mask_buffers(logits.shape[1])
-        process, board = self.process, self.process.board
         if self.device.type == "cuda":  # publish's too, even for a gate that was not sent
             self._stream = current_stream_handle(self.device)
         self._gate += 1
-        gate, jobs = self._gate, self._jobs(seqs)
-        try:
-            process.send_gate(gate, commits, jobs)
-        except GrammarProcessError:
-            return gate  # gate_errors says why
-        n = len(jobs)
+        gate, members = self._gate, []
+        for child, (child_commits, jobs) in self._split(commits, self._jobs(seqs)):
+            members.append((child, jobs))
+            process = self.pool.processes[child]
+            try:
+                process.send_gate(gate, child_commits, jobs)
+            except GrammarProcessError:
+                continue  # gate_errors says why
+            self._mask_with(process, child, gate, len(jobs), logits)
+        self._gate_jobs[gate] = members
+        return gate
+
+    def _split(
+        self, commits: list[GateCommit], jobs: list[RowJob]
+    ) -> list[tuple[int, tuple[list[GateCommit], list[RowJob]]]]:
+        """A gate's commits and jobs by the grammar process owning their requests, for those
+        with any."""
+        if len(self.pool.processes) == 1:
+            return [(0, (commits, jobs))]
+        owner = self.pool.owner
+        split: dict[int, tuple[list[GateCommit], list[RowJob]]] = {}
+        for commit in commits:
+            split.setdefault(owner(commit[0]), ([], []))[0].append(commit)
+        for job in jobs:
+            split.setdefault(owner(job[1]), ([], []))[1].append(job)
+        return sorted(split.items())
+
+    def _mask_with(
+        self, process: GrammarProcess, child: int, gate: int, n: int, logits: torch.Tensor
+    ) -> None:
+        """Mask ``logits`` with the ``n`` rows ``process`` writes for ``gate``: on CUDA queued
+        behind a stream wait for them; on CPU once they are written."""
         from atom.model_ops.triton_structured_output import apply_token_bitmask_inplace
 
+        board = process.board
         if self.device.type != "cuda":
             with contextlib.suppress(GrammarBoardTimeout):  # gate_errors reports the child
                 board.wait(DONE, gate, self.config.worker_timeout_s, process.alive)
                 index = board.row_index(gate)
-                if int(index[-1]) == stamp_of(gate):  # not released without its rows
+                if n and int(index[-1]) == stamp_of(gate):  # not released without its rows
                     apply_token_bitmask_inplace(logits, board.rows(gate)[:n], index[:n])
             board.set(COPIED, gate)
-            return gate
+            return
         stream = self._stream
         stream_wait(stream, board.address(DONE), gate)
-        area = self._gate_area[: board.index_words + n * board.num_words]
+        area = self._gate_areas[child][: board.index_words + n * board.num_words]
         area.copy_(board.area(gate, n), non_blocking=True)  # row index, then rows: one copy
         stream_write(stream, board.address(COPIED), gate)
+        if not n:
+            return
         rows = area[board.index_words :].view(n, board.num_words)
         # Rows of a gate released without them (a failed or dead child) are another step's,
         # whose row index may point at an unconstrained neighbour: the kernel then masks
         # nothing, as the area's stamp is not this gate's.
         stamp = (area[board.max_rows : board.max_rows + 1], stamp_of(gate))
         apply_token_bitmask_inplace(logits, rows, area[:n], stamp)
-        return gate
 
     def publish(self, gate: int, token_ids: torch.Tensor) -> None:
-        """Put a gate's sampled ids (int64) into the ring once they are sampled (on the stream
-        of its ``gate_step``, after the work queued so far), for the next gate's commits."""
-        board = self.process.board
-        slot = board.tokens(gate)[: token_ids.numel()]
-        if self.device.type != "cuda":
-            slot.copy_(token_ids)
-            board.set(TOKENS, gate)
-            return
-        slot.copy_(token_ids, non_blocking=True)
-        stream_write(self._stream, board.address(TOKENS), gate)
+        """Put a gate's sampled ids (int64) into the rings of the grammar processes it went to
+        once they are sampled (on the stream of its ``gate_step``, after the work queued so
+        far), for their next gates' commits."""
+        for child, _ in self._gate_jobs[gate]:
+            board = self.pool.processes[child].board
+            slot = board.tokens(gate)[: token_ids.numel()]
+            if self.device.type != "cuda":
+                slot.copy_(token_ids)
+                board.set(TOKENS, gate)
+                continue
+            slot.copy_(token_ids, non_blocking=True)
+            stream_write(self._stream, board.address(TOKENS), gate)
 
     def gate_errors(self, gate: int, seqs: list[Sequence]) -> dict[int, str]:
-        """A gate's structured-output errors by sequence id (waits for the child's answer:
-        read before the gate's sampled ids, which wait for its rows); if the child failed, all
-        the constrained among ``seqs`` (the gate's sampling sequences) fail."""
-        try:
-            return self.process.answer_of(("gate", gate))
-        except GrammarProcessError as e:
-            return {s.seq_id: str(e) for s in seqs if s.params.structured_output is not None}
+        """A gate's structured-output errors by sequence id (waits for the children's answers:
+        read before the gate's sampled ids, which wait for their rows); the requests of a
+        child that failed all fail."""
+        errors: dict[int, str] = {}
+        for child, jobs in self._gate_jobs.pop(gate, []):
+            try:
+                errors.update(self.pool.processes[child].answer_of(("gate", gate)))
+            except GrammarProcessError as e:
+                errors.update((job[0], str(e)) for job in jobs)
+        return errors
 
     def _jobs(self, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> list[RowJob]:
         """The constrained requests among ``seqs`` (in logits row order; sequence i has
@@ -428,8 +441,8 @@ class StructuredOutputWorker:
             return "structured output is disabled with relaxed MTP"
         if not isinstance(getattr(self.model, "lm_head", None), ParallelLMHead):
             return "the target LM head is not a ParallelLMHead"
-        if self.process is not None and self.process.dead_reason is not None:
-            return self.process.dead_reason
+        if self.pool is not None and self.pool.dead_reason is not None:
+            return self.pool.dead_reason
         return self._init_error
 
     def _start_init(self) -> None:
@@ -453,9 +466,12 @@ class StructuredOutputWorker:
                 "threads": self.config.structured_output_threads,
                 "whitespace": self.config.structured_output_whitespace,
             }
-            if self.config.grammar_process(self.device.type):
+            count = self.config.grammar_processes(self.device.type)
+            if count:
+                if count > 1 and not self._can_gate():
+                    count = 1  # steps that wait for their rows take one process's
                 timeout_s = self.config.worker_timeout_s
-                self.process = GrammarProcess(tokenizer_path, options, timeout_s)
+                self.pool = GrammarPool(tokenizer_path, options, timeout_s, count)
             else:
                 self.manager = StructuredOutputManager(tokenizer, **options)
         except Exception as e:  # noqa: BLE001 - every later admission reports it

@@ -84,19 +84,40 @@ def test_grammar_process_default_follows_the_device():
     assert EngineConfig(structured_output_grammar_process=True).grammar_process("cpu") is True
 
 
-def test_a_grammar_process_leaves_the_engine_thread_a_core(monkeypatch):
-    """On 4 cores or more the child and its llguidance threads stay off the last one; on fewer
-    (this CI machine has 2) it keeps them all."""
+def test_grammar_processes_split_the_cores_but_the_engine_threads(monkeypatch):
+    """On 4 cores or more the children share all cores but the last (the engine thread's), one
+    contiguous share each, and run at most one llguidance thread per core; on fewer (this CI
+    machine has 2) they are not pinned."""
     from atom.structured_output import grammar_process
 
     placed: list[list[int]] = []
     monkeypatch.setattr(grammar_process.os, "sched_setaffinity", lambda _, c: placed.append(c))
     monkeypatch.setattr(grammar_process.os, "sched_getaffinity", lambda _: set(range(16)))
-    assert grammar_process._leave_a_core({"threads": 16, "vocab_size": 9}) == {
-        "threads": 15,
+    assert grammar_process.split_cores(1) == [list(range(15))]
+    assert grammar_process.split_cores(2) == [list(range(7)), list(range(7, 15))]
+    assert grammar_process._pin({"threads": 16, "vocab_size": 9}, list(range(7))) == {
+        "threads": 7,
         "vocab_size": 9,
     }
-    assert placed == [list(range(15))]
+    assert placed == [list(range(7))]
     monkeypatch.setattr(grammar_process.os, "sched_getaffinity", lambda _: {0, 1})
-    assert grammar_process._leave_a_core({"threads": 2}) == {"threads": 2}
+    assert grammar_process.split_cores(2) == [None, None]
+    assert grammar_process._pin({"threads": 2}, None) == {"threads": 2}
     assert len(placed) == 1
+
+
+def test_grammar_processes_default_to_one_per_seven_spare_cores(monkeypatch):
+    from atom import config
+
+    monkeypatch.setattr(config, "available_cores", lambda: 16)
+    assert EngineConfig().grammar_processes("cuda") == 2
+    assert EngineConfig().grammar_processes("cpu") == 0
+    speculative = {"speculative_method": "ngram", "num_speculative_tokens": 2}
+    assert EngineConfig(**speculative).grammar_processes("cuda") == 1
+    assert EngineConfig(structured_output_grammar_processes=3).grammar_processes("cuda") == 3
+    monkeypatch.setattr(config, "available_cores", lambda: 8)
+    assert EngineConfig().grammar_processes("cuda") == 1
+    with pytest.raises(ValueError, match="structured_output_grammar_processes"):
+        EngineConfig(structured_output_grammar_processes=2, **speculative)
+    with pytest.raises(ValueError, match="structured_output_grammar_processes"):
+        EngineConfig(structured_output_grammar_processes=0)

@@ -6,6 +6,7 @@ killed mid-answer must release that wait, or the engine hangs."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -42,9 +43,11 @@ def _spec():
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _engine(request, grammar_process: bool, device: str = "cpu") -> LLMEngine:
+def _engine(
+    request, grammar_process: bool, device: str = "cpu", processes: int | None = None
+) -> LLMEngine:
     """SmolLM2 on CPU; on CUDA a tiny random Llama with its tokenizer (the GPU machine has no
-    embedded model)."""
+    embedded model). ``processes``: grammar processes per rank (the default: by cores)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model_dir = request.getfixturevalue("tiny_llama_dir" if device == "cuda" else "smollm2_dir")
@@ -55,6 +58,7 @@ def _engine(request, grammar_process: bool, device: str = "cpu") -> LLMEngine:
         max_model_len=512,
         kv_cache_bytes=256 << 20,
         structured_output_grammar_process=grammar_process,
+        structured_output_grammar_processes=processes,
     )
     return LLMEngine(config)
 
@@ -98,27 +102,30 @@ def _worker(engine: LLMEngine):
 @pytest.mark.gpu
 @pytest.mark.parametrize("device", ["cuda"])  # on CPU: test_an_abort_and_an_arrival_...
 def test_same_answers_as_in_process(request, device):
+    """The same answers with the grammar states in the rank's process, in one grammar process,
+    and split over two."""
     results = {}
-    for grammar_process in (False, True):
-        engine = _engine(request, grammar_process, device)
+    for processes in (0, 1, 2):
+        grammar_process = processes > 0
+        engine = _engine(request, grammar_process, device, processes or None)
         try:
             final = _run(engine, _requests(engine))
             worker = _worker(engine)
-            assert (worker.process is not None) == grammar_process
+            assert len(worker.pool.processes if worker.pool else []) == processes
             assert (worker.manager is None) == grammar_process
             # Steps of a grammar process go through gates: nothing waits on the engine thread
             assert (worker.gates_sent > 0) == grammar_process
             assert engine.structured_output_stats()["live_grammar_states"] == 0
-            results[grammar_process] = {
+            results[processes] = {
                 rid: (o.output_token_ids, o.text, o.finish_reason, o.error)
                 for rid, o in final.items()
             }
         finally:
             engine.shutdown()
-    assert results[True] == results[False]
+    assert results[1] == results[0] and results[2] == results[0]
     for rid in ("json", "json-2"):
-        assert results[True][rid][3] is None
-        assert set(json.loads(results[True][rid][1])) == {"name", "age"}
+        assert results[1][rid][3] is None
+        assert set(json.loads(results[1][rid][1])) == {"name", "age"}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -131,10 +138,10 @@ def test_a_dead_grammar_process_fails_only_constrained_requests(request, device)
         def kill_once(engine: LLMEngine) -> None:
             worker = _worker(engine)
             running = engine.cores[0].scheduler.requests.get("json")
-            if killed or worker.process is None or running is None:
+            if killed or worker.pool is None or running is None:
                 return
             if running.num_output_tokens >= 3:
-                os.kill(worker.process.pid, signal.SIGKILL)
+                os.kill(worker.pool.processes[0].pid, signal.SIGKILL)
                 killed.append(time.monotonic())
 
         final = _run(engine, requests, kill_once)
@@ -150,22 +157,29 @@ def test_a_dead_grammar_process_fails_only_constrained_requests(request, device)
         engine.shutdown()
 
 
-def _abort_and_arrival(request, grammar_process: bool, monkeypatch) -> tuple[dict, list]:
+def _abort_and_arrival(
+    request, grammar_process: bool, monkeypatch, processes: int = 1
+) -> tuple[dict, list]:
     """A run in which, while the others decode, "json-2" is aborted mid-answer and a constrained
-    request "late" arrives: every answer, and (with a grammar process) the messages sent to it
-    without waiting."""
-    engine = _engine(request, grammar_process)
+    request "late" arrives: every answer, and (with grammar processes) the messages sent to
+    them without waiting."""
+    engine = _engine(request, grammar_process, processes=processes if grammar_process else None)
     sent: list[str] = []
+    owners: set[int] = set()  # the grammar processes that held a request
     try:
         requests = _requests(engine)
         late = [requests["json"]]
 
         def abort_and_add(engine: LLMEngine) -> None:
-            process = _worker(engine).process
-            if process is not None and not sent:
-                send = process.send
-                monkeypatch.setattr(process, "send", lambda m, *a: sent.append(m) or send(m, *a))
+            pool = _worker(engine).pool
+            if pool is not None and not sent:
+                for process in pool.processes:
+                    send = process.send
+                    spy = functools.partial(_spy_send, sent, send)
+                    monkeypatch.setattr(process, "send", spy)
                 sent.append("spy")
+            if pool is not None:
+                owners.update(pool.owners.values())
             running = engine.cores[0].scheduler.requests.get("json-2")
             if late and running is not None and running.num_output_tokens >= 4:
                 engine.abort_request(["json-2"])
@@ -176,22 +190,87 @@ def _abort_and_arrival(request, grammar_process: bool, monkeypatch) -> tuple[dic
         assert set(json.loads(final["late"].text)) == {"name", "age"}
         assert engine.structured_output_stats()["live_grammar_states"] == 0
         assert (_worker(engine).gates_sent > 0) == grammar_process
+        assert len(owners) == (processes if grammar_process else 0)
         return {rid: (o.output_token_ids, o.error) for rid, o in final.items()}, sent
     finally:
         engine.shutdown()
 
 
-def test_an_abort_and_an_arrival_while_gates_are_in_flight(request, monkeypatch):
+def _spy_send(sent: list[str], send, method: str, *args):
+    sent.append(method)
+    return send(method, *args)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_an_abort_and_an_arrival_while_gates_are_in_flight(request, monkeypatch, processes):
     """With gates in flight, a release travels behind them (the aborted request's state goes,
     the others' answers stay those of the rank's process), and a new request's grammar is bound
     through a prepare sent without waiting (the engine thread is not held for a step), answered
-    at a later poll: its answer is the one it gets in the rank's process."""
-    answers, sent = _abort_and_arrival(request, True, monkeypatch)
+    at a later poll: its answer is the one it gets in the rank's process. The same with the
+    requests split over two grammar processes."""
+    answers, sent = _abort_and_arrival(request, True, monkeypatch, processes)
     assert "prepare" in sent
     reference, _ = _abort_and_arrival(request, False, monkeypatch)
     assert answers == reference
     assert answers["late"][1] is None and answers["late"][0] == answers["json"][0]
     assert answers["json"][1] is None and answers["plain"][1] is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_dead_grammar_process_of_two_fails_only_its_own_requests(request, device):
+    """Requests split over two grammar processes: killing the one that holds "json" fails
+    "json" alone; "json-2", held by the other, still gets its whole answer, and later
+    constrained requests get a clear refusal."""
+    engine = _engine(request, True, device, processes=2)
+    try:
+        requests = _requests(engine)
+        killed = []
+
+        def kill_owner_of_json(engine: LLMEngine) -> None:
+            pool = _worker(engine).pool
+            running = engine.cores[0].scheduler.requests.get("json")
+            if killed or pool is None or running is None or running.num_output_tokens < 3:
+                return
+            assert pool.owner("json") != pool.owner("json-2")
+            os.kill(pool.processes[pool.owner("json")].pid, signal.SIGKILL)
+            killed.append(True)
+
+        final = _run(engine, requests, kill_owner_of_json)
+        assert killed
+        assert final["json"].finish_reason == "error" and "grammar process" in final["json"].error
+        assert final["json-2"].error is None
+        assert set(json.loads(final["json-2"].text)) == {"name", "age"}
+        assert final["plain"].finish_reason == "length" and final["plain"].error is None
+        later = _run(engine, {"late": requests["json"]})["late"]
+        assert later.finish_reason == "error" and "grammar process" in later.error
+        assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_a_gate_waits_only_for_the_copy_of_its_areas_last_rows(smollm2_dir):
+    """A grammar process that gets only some gates (the others had none of its requests) waits,
+    before it writes an area, for the copy of the rows it last wrote there, not for the gate two
+    back, which it never saw."""
+    from atom.structured_output.grammar_board import COPIED, DONE, GrammarBoard, GrammarBoardTimeout
+    from atom.structured_output.grammar_process import _Grammars
+
+    options = {"vocab_size": 49152, "stop_token_ids": [2], "threads": 1, "whitespace": "space"}
+    grammars = _Grammars(str(smollm2_dir), options)
+    board = GrammarBoard.create(max_rows=4, num_words=49152 // 32)
+    try:
+        grammars.map_board(board.path, 4, 49152 // 32)
+        jobs = [(0, "unknown", [], 0)]  # a request with no state: an error, no mask row
+        assert list(grammars.gate(1, [], jobs, timeout_s=5)) == [0]
+        assert list(grammars.gate(4, [], jobs, timeout_s=5)) == [0]  # gates 2, 3 went elsewhere
+        assert board.get(DONE) == 4
+        with pytest.raises(GrammarBoardTimeout):  # area 1 still holds gate 1's rows, uncopied
+            grammars.gate(5, [], jobs, timeout_s=0.05)
+        board.set(COPIED, 1)
+        assert list(grammars.gate(7, [], jobs, timeout_s=5)) == [0]
+    finally:
+        board.unlink()
+        grammars.manager.shutdown()
 
 
 def test_a_failed_gate_raises_done_and_keeps_another_stamp(smollm2_dir):
