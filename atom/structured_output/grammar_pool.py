@@ -5,10 +5,13 @@ one interpreter: on the H200's 16-core host, one child took 3.05 ms for a step o
 integer-array rows, two children of 128 rows each on their own half of the cores 1.76 ms beside
 each other (benchmarks/results/h200_2026-12-04d), under the 1.75 ms of the decode step they
 hide behind. So a rank may start several (``EngineConfig.grammar_processes``), each pinned to its
-own share of the cores (``split_cores``), and gives each new request to the child with the
-fewest live requests (its "owner") when the engine first prepares it. Every message about a
-request goes to its owner; a grammar is compiled by every child (admission asks them all), so
-any child can take its next request at once.
+own share of the cores (``split_cores``), and gives each new request an "owner" when the engine
+first prepares it: the first child while it holds fewer than ``SHARE_FROM`` live requests, else
+the child with the fewest. A small batch thus stays in one child: each child a gate goes to
+costs the engine thread a message, a stream wait and copy and a mask kernel launch, and a few
+rows are filled well within the forward they hide behind. Every message about a request goes to
+its owner; a grammar is compiled by every child (admission asks them all), so any child can
+take its next request at once.
 
 A gate (``grammar_board``) goes to the children that own one of its requests, each with its
 share of the commits and rows, writing into its own board; the rank's stream waits for and
@@ -28,7 +31,10 @@ from atom.structured_output.grammar_process import (
 )
 from atom.structured_output.manager import AdmissionResult
 
-__all__ = ["GrammarPool"]
+__all__ = ["SHARE_FROM", "GrammarPool"]
+
+# Live requests the first child holds before new ones go to the least loaded child.
+SHARE_FROM = 32
 
 
 class _Asks:
@@ -87,13 +93,15 @@ class GrammarPool:
         )
 
     def prepare(self, items: list[tuple[str, Any]]) -> dict[str, AdmissionResult]:
-        """Readiness of waiting requests, each asked of its owner (a new request's owner is the
-        child with the fewest live requests); never waits for a busy child."""
+        """Readiness of waiting requests, each asked of its owner (see the module's docstring
+        for a new request's); never waits for a busy child."""
         by_child: list[list[tuple[str, Any]]] = [[] for _ in self.processes]
         for rid, spec in items:
             child = self._owner.get(rid)
             if child is None:
-                child = min(range(len(self._owned)), key=self._owned.__getitem__)
+                child = 0
+                if self._owned[0] >= SHARE_FROM:
+                    child = min(range(len(self._owned)), key=self._owned.__getitem__)
                 self._owner[rid] = child
                 self._owned[child] += 1
             by_child[child].append((rid, spec))

@@ -101,9 +101,12 @@ def _worker(engine: LLMEngine):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("device", ["cuda"])  # on CPU: test_an_abort_and_an_arrival_...
-def test_same_answers_as_in_process(request, device):
+def test_same_answers_as_in_process(request, device, monkeypatch):
     """The same answers with the grammar states in the rank's process, in one grammar process,
     and split over two."""
+    from atom.structured_output import grammar_pool
+
+    monkeypatch.setattr(grammar_pool, "SHARE_FROM", 0)
     results = {}
     for processes in (0, 1, 2):
         grammar_process = processes > 0
@@ -163,6 +166,9 @@ def _abort_and_arrival(
     """A run in which, while the others decode, "json-2" is aborted mid-answer and a constrained
     request "late" arrives: every answer, and (with grammar processes) the messages sent to
     them without waiting."""
+    from atom.structured_output import grammar_pool
+
+    monkeypatch.setattr(grammar_pool, "SHARE_FROM", 0)  # three requests: use both children
     engine = _engine(request, grammar_process, processes=processes if grammar_process else None)
     sent: list[str] = []
     owners: set[int] = set()  # the grammar processes that held a request
@@ -217,10 +223,13 @@ def test_an_abort_and_an_arrival_while_gates_are_in_flight(request, monkeypatch,
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_dead_grammar_process_of_two_fails_only_its_own_requests(request, device):
+def test_a_dead_grammar_process_of_two_fails_only_its_own_requests(request, device, monkeypatch):
     """Requests split over two grammar processes: killing the one that holds "json" fails
     "json" alone; "json-2", held by the other, still gets its whole answer, and later
     constrained requests get a clear refusal."""
+    from atom.structured_output import grammar_pool
+
+    monkeypatch.setattr(grammar_pool, "SHARE_FROM", 0)
     engine = _engine(request, True, device, processes=2)
     try:
         requests = _requests(engine)
