@@ -82,11 +82,11 @@ class GrammarPool:
         return self._owner
 
     def admit(self, spec: Any, api_fingerprint: str, vocab_size: int, wait_s: float) -> Any:
-        """Every child checks and compiles ``spec``: an error from any, else pending while any
-        compiles, else ready."""
-        results = [
-            p.call("admit", spec, api_fingerprint, vocab_size, wait_s) for p in self.processes
-        ]
+        """Every child checks and compiles ``spec``, all at once: an error from any, else
+        pending while any compiles, else ready."""
+        args = (spec, api_fingerprint, vocab_size, wait_s)
+        tickets = [p.send("admit", *args) for p in self.processes]
+        results = [p.answer_of(t) for p, t in zip(self.processes, tickets, strict=True)]
         return next(
             (r for r in results if r.status == "error"),
             next((r for r in results if r.status == "pending"), results[0]),
