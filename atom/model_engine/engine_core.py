@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -70,8 +71,10 @@ class _RequestState:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
     num_reported: int = 0
-    # `final_only`: logprobs of the tokens read so far, reported with the final output.
+    # `final_only`: logprobs of the tokens read so far, reported with the final output, and
+    # when the first token was read (`RequestOutput.first_token_time`).
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    first_token_time: float | None = None
 
 
 class EngineCore:
@@ -314,8 +317,14 @@ class EngineCore:
                 self._stop_check(seq, state, extra)
         if logprob is not None:
             state.logprobs.append(logprob)
-        if seq.params.final_only and not seq.is_finished:
-            return None
+        if seq.params.final_only:
+            if state.first_token_time is None:
+                state.first_token_time = time.perf_counter()
+            if not seq.is_finished:
+                return None
+            out = self._output(state)
+            out.first_token_time = state.first_token_time
+            return out
         return self._output(state)
 
     def _stop_check(self, seq: Sequence, state: _RequestState, token: int) -> None:

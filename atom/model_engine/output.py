@@ -61,6 +61,10 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None  # one per new token when params.logprobs is not None
     error: str | None = None  # set when finish_reason == "error"
     num_cached_tokens: int = 0
+    # The final output of a `final_only` request: when its first token was read
+    # (`time.perf_counter`, this host's monotonic clock), for time-to-first-token metrics.
+    # Set after `__init__`, on that output only.
+    first_token_time: float | None = None
 
     def __init__(
         self,

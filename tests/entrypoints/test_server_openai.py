@@ -207,6 +207,53 @@ def test_metrics_expose_counters_and_histograms(server, client, model_id):
     assert float(gen[0].split()[-1]) >= 3
 
 
+def _histogram_totals(server) -> dict[str, float]:
+    """`_sum` and `_count` of the latency histograms, by sample name."""
+    totals = {}
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        name = line.split(" ")[0]
+        if name.startswith("atom_") and name.endswith(("_seconds_sum", "_seconds_count")):
+            totals[name] = float(line.split()[-1])
+    return totals
+
+
+def test_a_non_streamed_answer_is_made_once_and_timed_from_its_first_token(
+    server, client, engine, model_id, monkeypatch
+):
+    """The engine makes a non-streamed request's final output only (nothing reads the others),
+    which says when its first token came: time to first token and inter-token latency are
+    measured as for a stream, not as if every token came at the end."""
+    outputs, generate = [], engine.generate
+
+    async def counting(*args, **kwargs):
+        async for out in generate(*args, **kwargs):
+            outputs.append(out)
+            yield out
+
+    monkeypatch.setattr(engine, "generate", counting)
+    before = _histogram_totals(server)
+    r = client.chat.completions.create(
+        model=model_id,
+        messages=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    after = _histogram_totals(server)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert len(outputs) == 1 and outputs[0].finished
+    assert r.usage.completion_tokens == 24 == len(outputs[0].new_token_ids)
+    assert delta["atom_time_to_first_token_seconds_count"] == 1
+    assert delta["atom_inter_token_latency_seconds_count"] == 23
+    ttft, e2e = (
+        delta["atom_time_to_first_token_seconds_sum"],
+        delta["atom_e2e_request_latency_seconds_sum"],
+    )
+    itl = delta["atom_inter_token_latency_seconds_sum"]
+    assert 0 < ttft < e2e and itl > 0
+    assert ttft + itl == pytest.approx(e2e, rel=0.05)
+
+
 # ---- responses ----------------------------------------------------------------------------------
 def test_responses_create(client, model_id):
     r = client.responses.create(

@@ -1,16 +1,19 @@
-"""Server-sent events from a template: a Chat Completions content delta's event and a Messages
-text or thinking delta's event are byte for byte the ones built from their models, whatever the
-text."""
+"""Server-sent events from a template: a Chat Completions content delta's event, a Completions
+text chunk's, a Messages text or thinking delta's and a Responses text or reasoning delta's
+(numbered) are byte for byte the ones built from their models, whatever the text."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
 from atom.entrypoints.openai.serving_chat import _Chunks
+from atom.entrypoints.openai.serving_completions import _Completions
 from atom.entrypoints.openai.serving_messages import _Blocks, _delta_event
+from atom.entrypoints.openai.serving_responses import ServedResponse, _Events
 from atom.entrypoints.openai.sse import TextEvents, data_event
 from atom.entrypoints.reasoning import REASONING, TEXT
 
@@ -68,3 +71,38 @@ def test_message_delta_events_are_the_event_models_dumped():
         events = blocks.delta(kind, text)
         assert events[-1] == _delta_event(kind, blocks.index, text)
         assert f'"index":{blocks.index},' in events[-1]
+
+
+def test_completion_text_events_are_the_chunk_model_dumped():
+    completions = _Completions('cmpl-"x"', "\x00atom-text\x00 ü")  # the marker in the model
+    plain = _Completions("cmpl-y", "model")
+    for rng, text in _texts(7, 400):
+        index = rng.randrange(3)
+        for chunks in (completions, plain):
+            assert chunks.event(index, text, None) == chunks.render(index, text)
+            assert f'"created":{chunks.created},' in chunks.event(index, text, None)
+    assert plain.event(0, "", None, "stop") == plain.render(0, "", None, "stop")
+    assert '"finish_reason":"stop"' in plain.event(0, "", None, "stop")
+
+
+def test_response_delta_events_are_the_event_models_dumped():
+    events = _Events(ServedResponse.model_construct(id="resp_1", output=[]))
+    numbers = []
+    for rng, text in _texts(8, 300):
+        kind = rng.choice([REASONING, TEXT])
+        sent = events.delta(kind, text)  # a change of kind closes an item, opens another
+        assert sent[-1] == events.delta_event(kind, text, events.sequence - 1)
+        numbers += [json.loads(e.split("data: ", 1)[1])["sequence_number"] for e in sent]
+    assert numbers == list(range(events.sequence))
+
+
+def test_a_numbered_template_fills_the_number_before_or_after_the_text():
+    for render in (
+        lambda text, n: data_event({"n": n, "id": "x", "t": text}),
+        lambda text, n: data_event({"t": text, "id": "x", "n": n}),
+    ):
+        events = TextEvents(render, numbered=True)
+        for number, (_, text) in enumerate(_texts(9, 50)):
+            assert events(text, number) == render(text, number)
+    with pytest.raises(ValueError):
+        TextEvents(lambda text, n: data_event({"t": text}), numbered=True)

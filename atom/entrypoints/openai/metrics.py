@@ -144,17 +144,21 @@ class RequestTracker:
     def prompt(self, n: int) -> None:
         self.m.prompt_tokens.inc(n)
 
-    def tokens(self, n: int) -> None:
+    def tokens(self, n: int, first_token_time: float | None = None) -> None:
+        """`n` tokens arrived now; `first_token_time`: when the engine read the first of them
+        (`RequestOutput.first_token_time`: a request whose outputs come all at the end), else
+        they are taken to have come now."""
         if n <= 0:
             return
         now = time.perf_counter()
         if self.last is None:
-            self.m.ttft.observe(now - self.start)
-            n_itl = n - 1
+            first = now if first_token_time is None else first_token_time
+            self.m.ttft.observe(first - self.start)
+            n_itl, self.last = n - 1, first
         else:
             n_itl = n
         if n_itl > 0:
-            gap = (now - (self.last or now)) / n_itl if self.last is not None else 0.0
+            gap = (now - self.last) / n_itl
             for _ in range(n_itl):
                 self.m.itl.observe(gap)
         self.last = now

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import anyio.to_thread
@@ -36,7 +38,7 @@ from atom.entrypoints.openai.serving_engine import (
     ServingContext,
     run_until_disconnect,
 )
-from atom.entrypoints.openai.sse import DONE, SSEResponse, data_event, wire
+from atom.entrypoints.openai.sse import DONE, SSEResponse, TextEvents, data_event, wire
 from atom.entrypoints.openai.vllm_fields import (
     constrain,
     refuse_unsupported,
@@ -105,19 +107,7 @@ class ServingCompletions:
                 )
             )
             usage = _usage(done, usage)
-        return wire(self._completion(request_id, req.model, choices, usage))
-
-    @staticmethod
-    def _completion(request_id: str, model: str, choices: list, usage: Any = None) -> Completion:
-        extra = {} if usage is None else {"usage": usage}
-        return Completion(
-            id=request_id,
-            object="text_completion",
-            created=int(time.time()),
-            model=model,
-            choices=choices,
-            **extra,
-        )
+        return wire(_Completions(request_id, req.model).completion(choices, usage))
 
     def _logprobs(
         self, entries: list[TokenLogprob] | None, top: int | None, offset: int
@@ -154,6 +144,7 @@ class ServingCompletions:
         each ends with its own finish_reason, the usage of all of them comes last. A failed
         choice ends the stream with its error (the other samples are aborted)."""
         offsets, usage = [0] * n, None
+        chunks = _Completions(request_id, req.model)
         async with contextlib.aclosing(pieces):
             async for index, piece in pieces:
                 match piece:
@@ -162,37 +153,77 @@ class ServingCompletions:
                         | AnswerDelta(text=text, logprobs=lps)
                     ):
                         lp = self._logprobs(lps, req.logprobs, offsets[index])
-                        yield self._chunk(request_id, req, index, text, lp)
+                        yield chunks.event(index, text, lp)
                         offsets[index] += len(text)
                     case HeldLogprobs(logprobs=lps):
                         lp = self._logprobs(lps, req.logprobs, offsets[index])
-                        yield self._chunk(request_id, req, index, "", lp)
+                        yield chunks.event(index, "", lp)
                     case Finished():
-                        yield self._chunk(request_id, req, index, "", None, piece.finish_reason)
+                        yield chunks.event(index, "", None, piece.finish_reason)
                         usage = _usage(piece, usage)
                     case Failed(error=error):
                         yield data_event(error.openai_body())
                         yield DONE
                         return
         if include_usage and usage is not None:
-            yield data_event(self._completion(request_id, req.model, [], usage))
+            yield data_event(chunks.completion([], usage))
         yield DONE
 
-    def _chunk(
+
+@dataclass
+class _Completions:
+    """The completion objects of one request: its body, or its stream's chunks, which share one
+    id, model and creation time (as OpenAI and vLLM send them); a text chunk without logprobs
+    (most of a stream) comes from a template per choice (``sse.TextEvents``)."""
+
+    request_id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    _text: dict[int, TextEvents] = field(default_factory=dict, init=False)
+
+    def completion(self, choices: list, usage: CompletionUsage | None = None) -> Completion:
+        extra = {} if usage is None else {"usage": usage}
+        return Completion(
+            id=self.request_id,
+            object="text_completion",
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            **extra,
+        )
+
+    def event(
         self,
-        request_id: str,
-        req: CompletionRequest,
         index: int,
         text: str,
         logprobs: Logprobs | None,
         finish_reason: str | None = None,
     ) -> str:
+        """The event of choice ``index``'s chunk."""
+        if logprobs is not None or finish_reason is not None:
+            return self.render(index, text, logprobs, finish_reason)
+        events = self._text.get(index)
+        if events is None:
+            try:
+                events = self._text[index] = TextEvents(partial(self.render, index))
+            except ValueError:  # the chunk's other fields hold the template's marker
+                return self.render(index, text)
+        return events(text)
+
+    def render(
+        self,
+        index: int,
+        text: str,
+        logprobs: Logprobs | None = None,
+        finish_reason: str | None = None,
+    ) -> str:
+        """The event of choice ``index``'s chunk, built from its model."""
         # Streamed choices say `"finish_reason": null` until the last one (as OpenAI and vLLM
         # send them), which the SDK's CompletionChoice type does not allow: built unvalidated.
         choice = CompletionChoice.model_construct(
             finish_reason=finish_reason, index=index, text=text, logprobs=logprobs
         )
-        return data_event(self._completion(request_id, req.model, [choice]))
+        return data_event(self.completion([choice]))
 
 
 def _usage(done: Finished, before: CompletionUsage | None = None) -> CompletionUsage:

@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -516,7 +516,7 @@ class ServingContext:
             try:
                 stream = self.engine.generate(request_id, rendered.token_ids, params, prefix_source)
                 async for out in stream:
-                    tracker.tokens(len(out.new_token_ids))
+                    tracker.tokens(len(out.new_token_ids), out.first_token_time)
                     if out.finished:
                         finished = True
                         outcome = "error" if out.finish_reason == "error" else "success"
@@ -547,9 +547,12 @@ class ServingContext:
         tracker: RequestTracker,
         prefix_source: str | None = None,
     ) -> tuple[RequestOutput, list[TokenLogprob]]:
-        """Run to completion; returns (final output, all logprobs entries)."""
+        """Run to completion; returns (final output, all logprobs entries). The engine makes the
+        final output only (`SamplingParams.final_only`): nothing here reads the others, and
+        each would cost the engine thread and this event loop work per token."""
         final = None
         logprobs: list[TokenLogprob] = []
+        params = replace(params, final_only=True)
         async for out in self.generate(request_id, rendered, params, tracker, prefix_source):
             if out.logprobs:
                 logprobs.extend(out.logprobs)

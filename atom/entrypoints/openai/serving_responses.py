@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import Request
@@ -65,7 +66,7 @@ from atom.entrypoints.openai.serving_engine import (
     random_id,
     run_until_disconnect,
 )
-from atom.entrypoints.openai.sse import SSEResponse, typed_event, wire
+from atom.entrypoints.openai.sse import SSEResponse, TextEvents, typed_event, wire
 from atom.entrypoints.openai.tool_calls import ToolRequest, preflight, read_tools
 from atom.entrypoints.reasoning import REASONING, TEXT
 from atom.entrypoints.tool_parsers import ToolCall
@@ -239,6 +240,7 @@ class _Events:
         self.item_id = ""
         self.text = ""
         self.call_index = -1  # the turn's index of the last function_call item opened
+        self._deltas: TextEvents | None = None  # the open item's text delta events
 
     def _event(self, cls: type[BaseModel], etype: str, **fields: Any) -> str:
         event = cls(type=etype, sequence_number=self.sequence, **fields)
@@ -265,7 +267,7 @@ class _Events:
         else:
             item = _message_item(self.item_id, None, "in_progress")
         self.output.append(item)
-        self.kind, self.text = kind, ""
+        self.kind, self.text, self._deltas = kind, "", None
         part = _reasoning_part("") if reasoning else _output_text("")
         return [
             self._event(
@@ -288,14 +290,27 @@ class _Events:
         if self.kind is None:
             events += self.open(kind)
         self.text += text
-        where = self._where()
+        if self._deltas is None:
+            try:
+                self._deltas = TextEvents(partial(self.delta_event, kind), numbered=True)
+            except ValueError:  # another field holds the template's marker
+                return [*events, self.delta_event(kind, text, self.sequence, count=True)]
+        events.append(self._deltas(text, self.sequence))
+        self.sequence += 1
+        return events
+
+    def delta_event(self, kind: str, text: str, sequence: int, count: bool = False) -> str:
+        """The open item's delta event built from its model (``TextEvents`` makes the rest);
+        ``count``: it takes the next sequence number."""
+        where = {**self._where(), "sequence_number": sequence}
         if kind == REASONING:
             etype = "response.reasoning_text.delta"
-            event = self._event(ResponseReasoningTextDeltaEvent, etype, delta=text, **where)
+            event: BaseModel = ResponseReasoningTextDeltaEvent(type=etype, delta=text, **where)
         else:
             etype = "response.output_text.delta"
-            event = self._event(ResponseTextDeltaEvent, etype, delta=text, logprobs=[], **where)
-        return [*events, event]
+            event = ResponseTextDeltaEvent(type=etype, delta=text, logprobs=[], **where)
+        self.sequence += count
+        return typed_event(event)
 
     def close(self, status: str) -> list[str]:
         if self.kind is None:

@@ -38,21 +38,33 @@ def data_event(obj: BaseModel | dict[str, Any]) -> str:
 
 
 class TextEvents:
-    """The events of one chunk shape in which only a string field changes (a content delta):
-    ``render(text)`` runs once, around a marker, and each later text is JSON-encoded into its
-    place, so every event is byte for byte what ``render`` would make. Building and dumping the
-    model takes 17 µs a chunk on the 2-core CPU, on the event loop, for every streamed token."""
+    """The events of one chunk shape in which only a string field changes (a content delta),
+    and with ``numbered`` also an integer one (a Responses event's ``sequence_number``):
+    ``render`` runs once, around a marker (and a sentinel number), and each later text is
+    JSON-encoded into its place, so every event is byte for byte what ``render`` would make.
+    Building and dumping the model takes 17-27 µs a chunk on the 2-core CPU, on the event loop,
+    for every streamed token."""
 
     _MARKER = "\x00atom-text\x00"
+    _NUMBER = 8_675_309_123_457  # no stream numbers this many events
 
-    def __init__(self, render: Callable[[str], str]) -> None:
-        encoded = _encode(self._MARKER)
-        self.before, found, self.after = render(self._MARKER).partition(encoded)
-        if not found or encoded in self.after:
-            raise ValueError("the rendered event must hold the text exactly once")
+    def __init__(self, render: Callable[..., str], numbered: bool = False) -> None:
+        encoded, number = _encode(self._MARKER), str(self._NUMBER)
+        rendered = render(self._MARKER, self._NUMBER) if numbered else render(self._MARKER)
+        if rendered.count(encoded) != 1 or (numbered and rendered.count(number) != 1):
+            raise ValueError("the rendered event must hold the text (and number) exactly once")
+        self.text_first = not numbered or rendered.index(encoded) < rendered.index(number)
+        slots = (encoded, number) if self.text_first else (number, encoded)
+        before, _, rest = rendered.partition(slots[0])
+        self.pieces = (before, rest) if not numbered else (before, *rest.partition(slots[1])[::2])
 
-    def __call__(self, text: str) -> str:
-        return self.before + _encode(text) + self.after
+    def __call__(self, text: str, number: int = 0) -> str:
+        pieces = self.pieces
+        if len(pieces) == 2:
+            return pieces[0] + _encode(text) + pieces[1]
+        if self.text_first:
+            return pieces[0] + _encode(text) + pieces[1] + str(number) + pieces[2]
+        return pieces[0] + str(number) + pieces[1] + _encode(text) + pieces[2]
 
 
 def _encode(text: str) -> str:
