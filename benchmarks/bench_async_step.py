@@ -9,8 +9,12 @@ host work shows), `--batch` greedy requests (`ignore_eos`) submitted at once and
 the end; ms per decode step = (time to T + 1 tokens - time to 1 token) / T, the median of
 `--repeats`. With `--baseline DIR` (another checkout) each repeat runs the baseline and then
 this checkout, each in its own process importing its own `atom`; both must stream the same
-tokens (checked). Prints a table; writes benchmarks/results/bench_async_step{_TAG}.json and .png.
+tokens (checked). `--consume stream final`: each side also runs with consumers that ask for the
+final output only (`SamplingParams.final_only`, as the server's non-streamed answers do), in
+processes of their own, interleaved. Prints a table; writes
+benchmarks/results/bench_async_step{_TAG}.json and .png.
     python benchmarks/bench_async_step.py --baseline /tmp/atom-base [--batches 64 256]
+    python benchmarks/bench_async_step.py --consume stream final
 """
 
 from __future__ import annotations
@@ -33,12 +37,15 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 
 
-async def stream_batch(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, str]:
+async def stream_batch(
+    llm, prompts: list[list[int]], max_tokens: int, final_only: bool = False
+) -> tuple[float, str]:
     """Seconds until every request of the batch has streamed its last output, and a digest of
     the tokens streamed."""
     from atom.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params.final_only = final_only
     run = random.randrange(10**9)
 
     async def consume(i: int, prompt: list[int]) -> list[int]:
@@ -79,8 +86,9 @@ def side(args: argparse.Namespace) -> None:
         for n in args.batches:
             vocab = range(FIRST_ORDINARY_ID, args.vocab)
             prompts = [random.Random(i).choices(vocab, k=args.prompt_tokens) for i in range(n)]
-            first, _ = await stream_batch(llm, prompts, 1)
-            whole, digest = await stream_batch(llm, prompts, args.max_tokens + 1)
+            final_only = args.consume_one == "final"
+            first, _ = await stream_batch(llm, prompts, 1, final_only)
+            whole, digest = await stream_batch(llm, prompts, args.max_tokens + 1, final_only)
             step_ms = 1000 * (whole - first) / args.max_tokens
             result[n] = {"step_ms": step_ms, "digest": digest}
 
@@ -91,8 +99,9 @@ def side(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
-def run_side(root: Path, args: argparse.Namespace) -> dict:
-    command = [sys.executable, __file__, "--side", str(root), *sys.argv[1:]]
+def run_side(root: Path, args: argparse.Namespace, consume: str) -> dict:
+    command = [sys.executable, __file__, "--side", str(root), "--consume-one", consume]
+    command += sys.argv[1:]
     env = {**os.environ, "PYTHONPATH": str(root)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return {int(n): r for n, r in json.loads(done.stdout.strip().splitlines()[-1]).items()}
@@ -122,16 +131,24 @@ def main() -> None:
     from bench_host_step import before_after_args, save_tiny_llama
 
     before_after_args(ap)
+    ap.add_argument("--consume", nargs="+", default=["stream"], choices=["stream", "final"])
+    ap.add_argument("--consume-one", default="stream", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.side is not None:
         side(args)
         return
     save_tiny_llama(args.model_dir, args.vocab)  # once, here: each side then only loads it
-    sides = {"current": ROOT} | ({"baseline": args.baseline} if args.baseline else {})
+    roots = {"current": ROOT} | ({"baseline": args.baseline} if args.baseline else {})
+    sides = {
+        name if len(args.consume) == 1 else f"{name}/{consume}": (root, consume)
+        for name, root in roots.items()
+        for consume in args.consume
+    }
     runs: dict[str, list[dict]] = {name: [] for name in sides}
     for _ in range(args.repeats):
         for name in sorted(sides):  # baseline, then current
-            runs[name].append(run_side(sides[name], args))
+            root, consume = sides[name]
+            runs[name].append(run_side(root, args, consume))
     rows = []
     for name, repeats in runs.items():
         for n in args.batches:
@@ -141,9 +158,9 @@ def main() -> None:
     same = all(
         len({d for r in rows if r["batch"] == n for d in r["digests"]}) == 1 for n in args.batches
     )
-    print(f"{'side':>9} {'batch':>6} {'ms/step':>9}")
+    print(f"{'side':>16} {'batch':>6} {'ms/step':>9}")
     for r in rows:
-        print(f"{r['side']:>9} {r['batch']:>6} {r['step_ms']:>9.3f}")
+        print(f"{r['side']:>16} {r['batch']:>6} {r['step_ms']:>9.3f}")
     print(f"same tokens streamed on every run and side: {same}")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "bench_async_step" + (f"_{args.tag}" if args.tag else "")
