@@ -238,7 +238,7 @@ class _Events:
         self.output: list[OutputItem] = []
         self.kind: str | None = None  # the open item's: REASONING, TEXT or FUNCTION_CALL
         self.item_id = ""
-        self.text = ""
+        self._text: list[str] = []  # the open item's text or arguments, in pieces (``text``)
         self.call_index = -1  # the turn's index of the last function_call item opened
         self._deltas: TextEvents | None = None  # the open item's text delta events
 
@@ -246,6 +246,12 @@ class _Events:
         event = cls(type=etype, sequence_number=self.sequence, **fields)
         self.sequence += 1
         return typed_event(event)
+
+    @property
+    def text(self) -> str:
+        """The open item's text (a function call's arguments) so far: joined when read, at its
+        end (a string grown by `+=` is copied on every token)."""
+        return "".join(self._text)
 
     def _response(self, **update: Any) -> ServedResponse:
         return self.base.model_copy(update={"output": list(self.output), **update})
@@ -267,7 +273,7 @@ class _Events:
         else:
             item = _message_item(self.item_id, None, "in_progress")
         self.output.append(item)
-        self.kind, self.text, self._deltas = kind, "", None
+        self.kind, self._text, self._deltas = kind, [], None
         part = _reasoning_part("") if reasoning else _output_text("")
         return [
             self._event(
@@ -289,7 +295,7 @@ class _Events:
         events = self.close("completed") if self.kind not in (None, kind) else []
         if self.kind is None:
             events += self.open(kind)
-        self.text += text
+        self._text.append(text)
         if self._deltas is None:
             try:
                 self._deltas = TextEvents(partial(self.delta_event, kind), numbered=True)
@@ -348,7 +354,7 @@ class _Events:
         events = self.close("completed")
         item = _function_call(name, "", "in_progress")
         self.output.append(item)
-        self.kind, self.item_id, self.text = FUNCTION_CALL, item.id, ""
+        self.kind, self.item_id, self._text = FUNCTION_CALL, item.id, []
         self.call_index = index
         added = self._event(
             ResponseOutputItemAddedEvent,
@@ -359,7 +365,7 @@ class _Events:
         return [*events, added]
 
     def call_arguments(self, text: str) -> list[str]:
-        self.text += text
+        self._text.append(text)
         etype = "response.function_call_arguments.delta"
         where = {"item_id": self.item_id, "output_index": len(self.output) - 1}
         return [self._event(ResponseFunctionCallArgumentsDeltaEvent, etype, delta=text, **where)]

@@ -106,7 +106,7 @@ class ToolParser(ABC):
     ) -> None:
         self.tools = function_tools(tools)
         self.max_calls = max_calls
-        self.text = ""
+        self._text: list[str] = []  # the visible text's pieces (see ``text``)
         self.calls: list[ToolCall] = []
         self._buf = ""
         self._inside = False
@@ -131,6 +131,12 @@ class ToolParser(ABC):
     @abstractmethod
     def instructions(self, tools: Sequence[dict[str, Any]]) -> str:
         """The tool definitions and the call format, for a system turn."""
+
+    @property
+    def text(self) -> str:
+        """The visible text so far (kept as pieces: a string grown by `+=` is copied on every
+        token)."""
+        return "".join(self._text)
 
     # ---- parsing ---------------------------------------------------------------------------
     def feed(self, delta: str) -> list[Item]:
@@ -241,7 +247,7 @@ class ToolParser(ABC):
             if isinstance(item, str):
                 if not item:
                     continue
-                self.text += item
+                self._text.append(item)
                 if merged and isinstance(merged[-1], str):
                     merged[-1] += item
                     continue
