@@ -54,11 +54,15 @@ class GrammarPool:
         self, tokenizer: str | Path, manager_options: dict, timeout_s: float, count: int
     ) -> None:
         """Starts ``count`` children (fewer on a host with fewer spare cores), each pinned to
-        its share of this process's cores."""
+        its share of this process's cores, all at once."""
         self.processes: list[GrammarProcess] = []
         try:
             for cores in split_cores(count):
-                self.processes.append(GrammarProcess(tokenizer, manager_options, timeout_s, cores))
+                self.processes.append(
+                    GrammarProcess(tokenizer, manager_options, timeout_s, cores, wait=False)
+                )
+            for process in self.processes:
+                process.wait_started()
         except Exception:
             self.shutdown()
             raise

@@ -72,10 +72,13 @@ class GrammarProcess:
         manager_options: dict,
         timeout_s: float,
         cores: list[int] | None = None,
+        wait: bool = True,
     ) -> None:
         """Spawns the child and waits (seconds: it loads the tokenizer) until its manager is
-        built; ``manager_options``: ``StructuredOutputManager``'s keyword arguments; ``cores``:
-        the only cores the child and its llguidance threads run on (``split_cores``)."""
+        built, or with ``wait=False`` leaves that to ``wait_started`` (children started
+        together load at once); ``manager_options``: ``StructuredOutputManager``'s keyword
+        arguments; ``cores``: the only cores the child and its llguidance threads run on
+        (``split_cores``)."""
         ctx = mp.get_context("spawn")  # never fork: the rank holds threads and CUDA state
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(
@@ -109,7 +112,13 @@ class GrammarProcess:
         self._last_commits: list | None = None  # the last gate's, as the child keeps them
         self._last_jobs: list | None = None
         self.dead_reason: str | None = None  # set when the child exited or stopped answering
-        self._answer("start")  # the child's first message: its manager is built
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Wait for the child's first message: its manager is built (raises
+        ``GrammarProcessError`` if it failed)."""
+        self._answer("start")
 
     @property
     def pid(self) -> int | None:
