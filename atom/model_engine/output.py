@@ -103,22 +103,25 @@ class RequestOutput:
 
     @property
     def text(self) -> str:
-        return self._decoded()[0]
+        at = self._text
+        if type(at) is tuple:
+            detokenizer, start, end, finished = at
+            self._text = detokenizer.text_at(start, end, finished)[0]
+        return self._text
 
     @property
     def delta_text(self) -> str:
-        return self._decoded()[1]
-
-    def _decoded(self) -> tuple[str, str]:
-        """(text, delta_text), decoding a `TextAt` the first time."""
-        if type(self._text) is tuple:
-            detokenizer, start, end, finished = self._text
-            self._text, self._delta_text = detokenizer.text_at(start, end, finished)
-        return self._text, self._delta_text
+        """Decoded apart from `text`: a stream reads only its deltas, and a copy of the whole
+        text would grow with the output."""
+        at = self._delta_text
+        if type(at) is tuple:
+            detokenizer, start, end, finished = at
+            self._delta_text = detokenizer.delta_at(start, end, finished)
+        return self._delta_text
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled with its text decoded (a `TextAt` holds the request's detokenizer)."""
-        self._decoded()
+        self._text, self._delta_text = self.text, self.delta_text
         return self.__dict__
 
 
