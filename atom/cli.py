@@ -71,6 +71,28 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="read each step's output before scheduling the next (default: overlap them)",
     )
+    _add_structured_output_args(g, d)
+    g.add_argument(
+        "--speculative-method",
+        choices=get_args(SpeculativeMethod),
+        default=None,
+        help="speculative decoding: drafts from n-gram lookup in the sequence or from a draft "
+        "model, verified by one target forward (a draft model schedules synchronously)",
+    )
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=d.num_speculative_tokens,
+        help="drafts per sequence and step",
+    )
+    g.add_argument(
+        "--speculative-model",
+        default=None,
+        help="the draft model's folder (--speculative-method draft; same tokenizer as the model)",
+    )
+
+
+def _add_structured_output_args(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
     g.add_argument(
         "--structured-output-whitespace",
         default=d.structured_output_whitespace,
@@ -91,24 +113,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="grammar processes per rank, each on its own share of the cores (default: one "
         "per 7 cores the engine thread leaves, one with speculative decoding)",
-    )
-    g.add_argument(
-        "--speculative-method",
-        choices=get_args(SpeculativeMethod),
-        default=None,
-        help="speculative decoding: drafts from n-gram lookup in the sequence or from a draft "
-        "model, verified by one target forward (a draft model schedules synchronously)",
-    )
-    g.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=d.num_speculative_tokens,
-        help="drafts per sequence and step",
-    )
-    g.add_argument(
-        "--speculative-model",
-        default=None,
-        help="the draft model's folder (--speculative-method draft; same tokenizer as the model)",
     )
 
 
