@@ -63,7 +63,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # The final output of a `final_only` request: when its first token was read
     # (`time.perf_counter`, this host's monotonic clock), for time-to-first-token metrics.
-    # Set after `__init__`, on that output only.
     first_token_time: float | None = None
 
     def __init__(
@@ -80,6 +79,7 @@ class RequestOutput:
         logprobs: list[TokenLogprob] | None,
         error: str | None = None,
         num_cached_tokens: int = 0,
+        first_token_time: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -93,6 +93,8 @@ class RequestOutput:
         self.logprobs = logprobs
         self.error = error
         self.num_cached_tokens = num_cached_tokens
+        if first_token_time is not None:  # else the class's None: one store less per output
+            self.first_token_time = first_token_time
 
     @property
     def output_token_ids(self) -> list[int]:
