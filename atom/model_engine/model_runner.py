@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from atom.config import EngineConfig
+from atom.model_engine.block_table_rows import BlockTableRows
 from atom.model_engine.cuda_graph import DecodeGraphs
 from atom.model_engine.deferred_output import DeferredOutput, RunnerOutput, VerifiedOutput
 from atom.model_engine.scheduler import GrammarUpdate, ScheduledBatch
@@ -122,6 +123,7 @@ class ModelRunner:
         self.model_path = model_path
         self.hf_config = hf_config
         self.device = resolve_device(config.device)
+        self.block_table_rows = BlockTableRows()  # the running sequences' tables, kept
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
@@ -417,7 +419,7 @@ class ModelRunner:
         if self.graphs is not None and max(batch.num_new_tokens) == 1:
             size = self.graphs.padded_size(n)
         pin = self.device.type == "cuda"
-        step = build_step_inputs(batch, self.block_size, size or n, pin)
+        step = build_step_inputs(batch, self.block_size, size or n, pin, self.block_table_rows)
         # A decode graph's buffers take all but the ids now, unless a verification in flight
         # may still move its sequences (`_shift_rows`: speculative decoding).
         on_graph = size is not None and self.speculator is None

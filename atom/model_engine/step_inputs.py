@@ -19,6 +19,7 @@ from itertools import accumulate, compress, pairwise
 import numpy as np
 import torch
 
+from atom.model_engine.block_table_rows import BlockTableRows
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import PLACEHOLDER
 
@@ -66,10 +67,15 @@ def block_slots(table: list[int], start: int, end: int, block_size: int) -> list
 
 
 def build_step_inputs(
-    batch: ScheduledBatch, block_size: int, num_rows: int, pin: bool
+    batch: ScheduledBatch,
+    block_size: int,
+    num_rows: int,
+    pin: bool,
+    tables: BlockTableRows | None = None,
 ) -> StepInputs:
     """The batch's inputs, padded with `num_rows - len(batch.seqs)` one-token padding rows
-    (decode steps for a CUDA graph only); `pin` on CUDA."""
+    (decode steps for a CUDA graph only); `pin` on CUDA. `tables`: the runner's block-table
+    rows, kept from step to step (a new one, used once, without)."""
     seqs, num_new = batch.seqs, batch.num_new_tokens
     decode = max(num_new) == 1
     rows = _decode_rows(batch, block_size) if decode else _chunk_rows(batch, block_size)
@@ -79,7 +85,7 @@ def build_step_inputs(
     longs = rows.ids + zeros + rows.positions + zeros + rows.slots + [-1] * pad + sample_rows
     n = len(rows.ids) + pad
     input_ids, positions, slots, sampled = _host(longs, np.int64, [n, n, n, len(sample_rows)], pin)
-    context_lens, block_tables = _context_and_tables(batch, pad, pin)
+    context_lens, block_tables = _context_and_tables(batch, pad, pin, tables or BlockTableRows())
     # A row whose input is a placeholder (a sequence's oldest, at most one a sequence).
     placeholders = [r for r, token in enumerate(rows.ids) if token == PLACEHOLDER]
     owners = placeholders if decode else [bisect_left(rows.last_rows, r) for r in placeholders]
@@ -134,29 +140,32 @@ def _sample_rows(batch: ScheduledBatch, last_rows: Sequence[int]) -> list[int]:
     return rows
 
 
-def _context_and_tables(batch: ScheduledBatch, pad: int, pin: bool) -> tuple[torch.Tensor, ...]:
+def _context_and_tables(
+    batch: ScheduledBatch, pad: int, pin: bool, tables: BlockTableRows
+) -> tuple[torch.Tensor, ...]:
     """Context lengths [B + pad] and block tables [B + pad, width] (zero-padded), int32, as
-    views of one tensor."""
-    tables = [seq.block_table for seq in batch.seqs]
-    width = max(map(len, tables))
-    zeros = [0] * width
-    ints = [s + n for s, n in zip(batch.num_computed_before, batch.num_new_tokens, strict=True)]
-    ints += [0] * pad
-    for table in tables:
-        ints += table
-        ints += zeros[len(table) :]
-    ints += zeros * pad
-    rows = len(tables) + pad
-    context_lens, flat = _host(ints, np.int32, [rows, rows * width], pin)
+    views of one array (`block_table_rows`)."""
+    seqs = batch.seqs
+    width = max(len(seq.block_table) for seq in seqs)
+    rows = len(seqs) + pad
+    ints = np.zeros(rows + rows * width, dtype=np.int32)
+    before, new = batch.num_computed_before, batch.num_new_tokens
+    ints[: len(seqs)] = [s + n for s, n in zip(before, new, strict=True)]
+    tables.gather(seqs, width, ints[rows : rows + len(seqs) * width].reshape(len(seqs), width))
+    context_lens, flat = _fields(ints, [rows, rows * width], pin)
     return context_lens, flat.view(rows, width)
 
 
 def _host(values: list[int], dtype: type, sizes: list[int], pin: bool) -> list[torch.Tensor]:
-    """`values` cut into consecutive fields of `sizes`, as host tensors: on CUDA, views of one
-    pinned tensor (its copies to the device are then asynchronous); else each field from its
-    own numpy slice (a torch view costs several times as much). numpy converts a list of ints
-    several times faster than `torch.tensor`."""
-    array = np.array(values, dtype=dtype)
+    """`values` cut into consecutive fields of `sizes`, as host tensors (`_fields`). numpy
+    converts a list of ints several times faster than `torch.tensor`."""
+    return _fields(np.array(values, dtype=dtype), sizes, pin)
+
+
+def _fields(array: np.ndarray, sizes: list[int], pin: bool) -> list[torch.Tensor]:
+    """`array` cut into consecutive fields of `sizes`: on CUDA, views of one pinned tensor (its
+    copies to the device are then asynchronous); else each field from its own numpy slice (a
+    torch view costs several times as much)."""
     if pin:
         return list(torch.from_numpy(array).pin_memory().split(sizes))
     bounds = list(accumulate(sizes, initial=0))
