@@ -152,12 +152,18 @@ def test_a_dead_grammar_process_fails_only_constrained_requests(request, device)
         for rid in ("json", "json-2"):
             assert final[rid].finish_reason == "error"
             assert "grammar process" in final[rid].error
-        assert final["plain"].finish_reason == "length" and final["plain"].error is None
-        later = _run(engine, {"late": requests["json"]})["late"]
-        assert later.finish_reason == "error" and "grammar process" in later.error
-        assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+        _assert_the_rest_after_a_death(engine, requests, final)
     finally:
         engine.shutdown()
+
+
+def _assert_the_rest_after_a_death(engine: LLMEngine, requests: dict, final: dict) -> None:
+    """After a grammar process died: the unconstrained request finished as usual, a later
+    constrained one is refused with the reason, and every KV block is free again."""
+    assert final["plain"].finish_reason == "length" and final["plain"].error is None
+    later = _run(engine, {"late": requests["json"]})["late"]
+    assert later.finish_reason == "error" and "grammar process" in later.error
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
 def _abort_and_arrival(
@@ -249,10 +255,7 @@ def test_a_dead_grammar_process_of_two_fails_only_its_own_requests(request, devi
         assert final["json"].finish_reason == "error" and "grammar process" in final["json"].error
         assert final["json-2"].error is None
         assert set(json.loads(final["json-2"].text)) == {"name", "age"}
-        assert final["plain"].finish_reason == "length" and final["plain"].error is None
-        later = _run(engine, {"late": requests["json"]})["late"]
-        assert later.finish_reason == "error" and "grammar process" in later.error
-        assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
+        _assert_the_rest_after_a_death(engine, requests, final)
     finally:
         engine.shutdown()
 
