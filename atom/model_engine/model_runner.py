@@ -328,7 +328,7 @@ class ModelRunner:
         assert isinstance(out, DeferredOutput)
         worker.publish(gate, out.token_ids)
         out.gate = gate
-        out.pending_errors = partial(worker.gate_errors, gate, step.seqs)
+        out.pending_errors = partial(worker.gate_errors, gate)
         return out
 
     def _gate_commits(self, batch: ScheduledBatch) -> list[GateCommit]:

@@ -413,10 +413,7 @@ def split_cores(count: int) -> list[list[int] | None]:
         return [None] * count
     usable = cores[:-1]
     count = min(count, len(usable))
-    shares = [
-        usable[len(usable) * i // count : len(usable) * (i + 1) // count] for i in range(count)
-    ]
-    return shares
+    return [usable[len(usable) * i // count : len(usable) * (i + 1) // count] for i in range(count)]
 
 
 def _pin(manager_options: dict, cores: list[int] | None) -> dict:

@@ -404,7 +404,7 @@ class StructuredOutputWorker:
             slot.copy_(token_ids, non_blocking=True)
             stream_write(self._stream, board.address(TOKENS), gate)
 
-    def gate_errors(self, gate: int, seqs: list[Sequence]) -> dict[int, str]:
+    def gate_errors(self, gate: int) -> dict[int, str]:
         """A gate's structured-output errors by sequence id (waits for the children's answers:
         read before the gate's sampled ids, which wait for their rows); the requests of a
         child that failed all fail."""

@@ -296,18 +296,21 @@ class _Events:
         if self.kind is None:
             events += self.open(kind)
         self._text.append(text)
+        events.append(self._delta(kind, text))
+        self.sequence += 1
+        return events
+
+    def _delta(self, kind: str, text: str) -> str:
+        """The open item's delta event, from its template (``TextEvents``) once made."""
         if self._deltas is None:
             try:
                 self._deltas = TextEvents(partial(self.delta_event, kind), numbered=True)
             except ValueError:  # another field holds the template's marker
-                return [*events, self.delta_event(kind, text, self.sequence, count=True)]
-        events.append(self._deltas(text, self.sequence))
-        self.sequence += 1
-        return events
+                return self.delta_event(kind, text, self.sequence)
+        return self._deltas(text, self.sequence)
 
-    def delta_event(self, kind: str, text: str, sequence: int, count: bool = False) -> str:
-        """The open item's delta event built from its model (``TextEvents`` makes the rest);
-        ``count``: it takes the next sequence number."""
+    def delta_event(self, kind: str, text: str, sequence: int) -> str:
+        """The open item's delta event built from its model."""
         where = {**self._where(), "sequence_number": sequence}
         if kind == REASONING:
             etype = "response.reasoning_text.delta"
@@ -315,7 +318,6 @@ class _Events:
         else:
             etype = "response.output_text.delta"
             event = ResponseTextDeltaEvent(type=etype, delta=text, logprobs=[], **where)
-        self.sequence += count
         return typed_event(event)
 
     def close(self, status: str) -> list[str]:
