@@ -88,7 +88,7 @@ def instrument(engine: Any, segments: Segments) -> None:
     if hasattr(runner, "_stage"):  # the inputs built before the previous sampling is queued
         wraps.append((runner, "_stage", "stage_inputs"))
     worker = runner.structured_output
-    if worker.manager is not None or worker.process is not None:  # structured output was used
+    if worker.manager is not None or worker.pool is not None:  # structured output was used
         wraps += [
             (worker, "start_step", "grammar_start"),  # engine thread
             (worker, "finish_step", "grammar_wait_apply"),  # engine thread

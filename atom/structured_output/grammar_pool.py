@@ -33,8 +33,11 @@ from atom.structured_output.manager import AdmissionResult
 
 __all__ = ["SHARE_FROM", "GrammarPool"]
 
-# Live requests the first child holds before new ones go to the least loaded child.
-SHARE_FROM = 32
+# Live requests the first child holds before new ones go to the least loaded child. At batch 64
+# two children of 32 rows made a step slower than one child of 64 (1.78 against 1.62 ms, H200,
+# benchmarks/results/h200_2026-12-04e): the second child's gate costs the engine thread more
+# than it saves the child.
+SHARE_FROM = 64
 
 
 class _Asks:

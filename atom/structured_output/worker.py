@@ -48,6 +48,7 @@ from atom.structured_output.grammar_board import (
     COPIED,
     DONE,
     TOKENS,
+    GrammarBoard,
     GrammarBoardTimeout,
     stamp_of,
 )
@@ -116,6 +117,11 @@ class StructuredOutputWorker:
         self._stream_flags: bool | None = None  # whether the stream waits work (``gates``)
         # Per gate in flight: the grammar processes it went to, each with its jobs.
         self._gate_jobs: dict[int, list[tuple[int, list[RowJob]]]] = {}
+        # The last gate's commits and jobs and their split by owner: a batch that keeps
+        # decoding sends equal ones every step, which then need no split again.
+        self._last_split: tuple[list, list, list] = ([], [], [])
+        # CUDA, per (grammar process, area, rows): the views a gate's copy and kernel take.
+        self._area_views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
         # Steps run one at a time on this thread; the lock keeps RPCs from touching grammar
         # states while one runs (the engine never overlaps them, this makes sure of it).
         self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="atom-grammar-step")
@@ -352,13 +358,17 @@ class StructuredOutputWorker:
         with any."""
         if len(self.pool.processes) == 1:
             return [(0, (commits, jobs))]
-        owner = self.pool.owner
+        last_commits, last_jobs, last = self._last_split
+        if commits == last_commits and jobs == last_jobs:  # a job's sequence id is never reused
+            return last  # its lists are the ones each child got: ``send_gate`` sends none
+        owners = self.pool.owners  # a request none holds goes to child 0, which fails its row
         split: dict[int, tuple[list[GateCommit], list[RowJob]]] = {}
         for commit in commits:
-            split.setdefault(owner(commit[0]), ([], []))[0].append(commit)
+            split.setdefault(owners.get(commit[0], 0), ([], []))[0].append(commit)
         for job in jobs:
-            split.setdefault(owner(job[1]), ([], []))[1].append(job)
-        return sorted(split.items())
+            split.setdefault(owners.get(job[1], 0), ([], []))[1].append(job)
+        self._last_split = commits, jobs, sorted(split.items())
+        return self._last_split[2]
 
     def _mask_with(
         self, process: GrammarProcess, child: int, gate: int, n: int, logits: torch.Tensor
@@ -378,17 +388,33 @@ class StructuredOutputWorker:
             return
         stream = self._stream
         stream_wait(stream, board.address(DONE), gate)
-        area = self._gate_areas[child][: board.index_words + n * board.num_words]
-        area.copy_(board.area(gate, n), non_blocking=True)  # row index, then rows: one copy
+        host, area, rows, index, stamp = self._views(child, board, gate % 2, n)
+        area.copy_(host, non_blocking=True)  # row index, then rows: one copy
         stream_write(stream, board.address(COPIED), gate)
-        if not n:
-            return
-        rows = area[board.index_words :].view(n, board.num_words)
-        # Rows of a gate released without them (a failed or dead child) are another step's,
-        # whose row index may point at an unconstrained neighbour: the kernel then masks
-        # nothing, as the area's stamp is not this gate's.
-        stamp = (area[board.max_rows : board.max_rows + 1], stamp_of(gate))
-        apply_token_bitmask_inplace(logits, rows, area[:n], stamp)
+        if n:
+            # Rows of a gate released without them (a failed or dead child) are another
+            # step's, whose row index may point at an unconstrained neighbour: the kernel then
+            # masks nothing, as the area's stamp is not this gate's.
+            apply_token_bitmask_inplace(logits, rows, index, (stamp, stamp_of(gate)))
+
+    def _views(
+        self, child: int, board: GrammarBoard, area: int, n: int
+    ) -> tuple[torch.Tensor, ...]:
+        """A gate's tensors for ``n`` rows of ``area`` of ``child``'s board: the host area, its
+        device copy, and in that copy the mask rows, their row index and the stamp (made once:
+        slicing them took microseconds of the engine thread per gate)."""
+        key = (child, area, n)
+        views = self._area_views.get(key)
+        if views is None:
+            device = self._gate_areas[child][: board.index_words + n * board.num_words]
+            views = self._area_views[key] = (
+                board.area(area, n),
+                device,
+                device[board.index_words :].view(n, board.num_words),
+                device[:n],
+                device[board.max_rows : board.max_rows + 1],
+            )
+        return views
 
     def publish(self, gate: int, token_ids: torch.Tensor) -> None:
         """Put a gate's sampled ids (int64) into the rings of the grammar processes it went to
@@ -487,9 +513,14 @@ def _stream_flags_work(device: torch.device) -> bool:
     stream memory operations); if not, a grammar process's steps wait for their rows."""
     counter = torch.zeros(1, dtype=torch.int64, pin_memory=True)
     try:
+        # A runtime call first: it makes the device's context current on this thread (the
+        # initialization thread has none yet), which the driver's stream operations need.
+        torch.cuda.synchronize(device)
         stream_write(current_stream_handle(device), counter.data_ptr(), 1)
         torch.cuda.synchronize(device)
-    except RuntimeError:
-        logger.warning("structured output: no stream memory operations; steps wait for rows")
+    except RuntimeError as e:
+        logger.warning(
+            "structured output: no stream memory operations (%s); steps wait for rows", e
+        )
         return False
     return int(counter.item()) == 1
