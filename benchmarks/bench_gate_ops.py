@@ -1,5 +1,5 @@
 """Host cost of each operation the engine thread does for one gate (``StructuredOutputWorker``
-``gate_step``, ``publish``, ``gate_errors``), one at a time, on CUDA.
+``gate_send``, ``gate_mask``, ``publish``, ``gate_errors``), one at a time, on CUDA.
 
 A gate's engine-thread work is a dozen small calls: a pickled message down a pipe, two stream
 memory operations through ctypes, two H2D copies, the stale-area fill, the mask kernel, the cast

@@ -61,8 +61,8 @@ with min and max:
 The engine thread's structured-output hooks are also timed inside each step of the parent
 process (the rank's `StructuredOutputWorker.start_step`, which hands a step's commit, mask fill
 and mask of the logits to the grammar thread, and `finish_step`, which waits for that work; with
-a grammar process, `gate_step`, `publish` and `gate_errors`: send a step to the child and queue
-its mask, put its sampled ids on the board, read its errors; wrapped on the instance): their time per window step, as a share of the plain TPOT, is the part
+a grammar process, `gate_send`, `gate_mask`, `publish` and `gate_errors`: send a step to the
+children, queue its mask, put its sampled ids on the board, read its errors; wrapped on the instance): their time per window step, as a share of the plain TPOT, is the part
 of the overhead the engine thread spends on grammar work, measured without the run-to-run noise
 of a shared machine. Grammar-thread work that overlaps the engine thread's is not in it.
 
@@ -252,7 +252,7 @@ class StepTimer:
     and the one before (with asynchronous scheduling a step submits one and reads the other)
     and (with `grammar=True`) the time the engine thread spent in its structured-output hooks
     (`start_step`: hand the commit, fill and mask to the grammar thread; `finish_step`: wait
-    for them; with a grammar process `gate_step`, `publish`, `gate_errors`). It wraps methods of this engine's
+    for them; with a grammar process `gate_send`, `gate_mask`, `publish`, `gate_errors`). It wraps methods of this engine's
     instances; nothing in `atom` is changed. The `never` process wraps only the scheduler, so
     nothing of the runner path differs there."""
 
@@ -275,7 +275,14 @@ class StepTimer:
         if grammar:
             (runner,) = engine.executor.workers
             worker = runner.structured_output
-            for name in ("start_step", "finish_step", "gate_step", "publish", "gate_errors"):
+            for name in (
+                "start_step",
+                "finish_step",
+                "gate_send",
+                "gate_mask",
+                "publish",
+                "gate_errors",
+            ):
                 setattr(worker, name, self._timed(getattr(worker, name)))
 
     def full_decode(self, n: int) -> bool:

@@ -63,6 +63,7 @@
 #   [ROUNDS=1 REPEATS=2] bash benchmarks/gpu_suite.sh processes (the grammar process GPU tests,
 #                                          then the structured-output overhead with one grammar
 #                                          process and with two, alternated; ~6 minutes a round)
+#   [ROUNDS=1 REPEATS=2] bash benchmarks/gpu_suite.sh processes_bench (the same without the tests)
 #   bash benchmarks/gpu_suite.sh processes_profile (host segments of a step and the grammar
 #                                          processes' time per gate at batch 64 and 256, one
 #                                          process and two; ~4 minutes)
@@ -376,6 +377,9 @@ gates_check() {  # the gates' GPU tests (a killed child among them) and the CUDA
 processes() {  # one grammar process per rank against two (the default on 16 cores)
     step pytest_processes 200 python3 -m pytest -q -m gpu --durations=5 \
         tests/structured_output/test_grammar_process.py
+    processes_bench
+}
+processes_bench() {
     for round in $(seq ${ROUNDS:-1}); do
         for n in 1 2; do
             step structured_p${n}_$round 130 python3 benchmarks/bench_structured_serving.py \
@@ -395,6 +399,6 @@ gpu_tests() {  # the GPU tests alone (288 s on a cold H200 at 75926ed: 40 tests)
     step pytest_gpu 380 python3 -m pytest -q -m gpu --durations=10 -o faulthandler_timeout=150 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-: "${1:?one or more of: processes, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+: "${1:?one or more of: processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 for mode in "$@"; do "$mode"; done
 tail -n 200 $out/summary.log

@@ -102,7 +102,8 @@ def instrument(engine: Any, segments: Segments) -> None:
         wraps += [
             (worker.pool.processes[0], "call", "grammar_process_call"),  # grammar thread (drafts)
             (runner, "_gate_commits", "gate_commits"),  # engine thread, from here on
-            (worker, "gate_step", "gate_send_mask"),
+            (worker, "gate_send", "gate_send"),
+            (worker, "gate_mask", "gate_mask"),
             (worker, "publish", "gate_publish"),
             (worker, "gate_errors", "gate_answer_wait"),
         ]

@@ -13,9 +13,11 @@ sampling and the next forward's launch follow the grammar work on the host: the 
 that forward right after this step's sampling.
 
 With a grammar process (``EngineConfig.grammar_process``, CUDA by default) and no speculative
-decoding, a constrained step's masking and sampling are queued at once instead, behind a stream
-wait for the grammar process's rows (``_sample_gated``, ``structured_output.grammar_board``):
-the engine thread never waits for grammar work, and reads the step's errors with its output.
+decoding, a constrained step goes to the grammar processes first, before its inputs are built
+(``_send_gate``), so they fill its rows while this thread builds them and launches the forward;
+its masking and sampling are then queued at once, behind a stream wait for those rows
+(``_sample_gated``, ``structured_output.grammar_board``): the engine thread never waits for
+grammar work, and reads the step's errors with its output.
 
 On CUDA the forward of a decode step replays a CUDA graph (`cuda_graph.DecodeGraphs`, captured
 at start-up unless `enforce_eager`); every other step, and every step on CPU, runs eagerly. The
@@ -263,6 +265,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, batch: ScheduledBatch) -> DeferredOutput | _Unsampled:
+        sample_seqs = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        gate = self._send_gate(batch, sample_seqs)
         staged = self._stage(batch) if batch.seqs else None
         self._queue_sampling()  # the previous step's, which this one's inputs may read
         for seq_id in batch.finished_seq_ids:
@@ -273,7 +277,6 @@ class ModelRunner:
         if staged is None:
             return DeferredOutput.empty()
         hidden, rows = self._forward(staged)
-        sample_seqs = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         logits = self.model.compute_logits(hidden.index_select(0, rows)) if sample_seqs else None
         want = [s.params.logprobs for s in sample_seqs]
         raw_logprobs = None
@@ -286,8 +289,8 @@ class ModelRunner:
             step.drafts = list(compress(batch.draft_token_ids, batch.sampling))
         if not batch.has_constrained:
             return self._sample(step, {})
-        if logits is not None and self.structured_output.gates:
-            return self._sample_gated(batch, step)
+        if gate is not None:
+            return self._sample_gated(gate, step)
         step.masking = self.structured_output.start_step(
             self._grammar_updates(batch), sample_seqs, logits, step.drafts
         )
@@ -318,12 +321,21 @@ class ModelRunner:
             self._sampled_in[seq_id] = out
         return out
 
-    def _sample_gated(self, batch: ScheduledBatch, step: _Unsampled) -> DeferredOutput:
+    def _send_gate(self, batch: ScheduledBatch, sample_seqs: list[Sequence]) -> int | None:
+        """A constrained step that samples, with a grammar process: its grammar work goes to the
+        children now, before its inputs are built and its forward launched, so they fill its
+        rows meanwhile (``_sample_gated`` masks with them); its gate, else None."""
+        if not (batch.has_constrained and sample_seqs and self.structured_output.gates):
+            return None
+        self._queue_sampling()  # a step without a gate commits first, in order
+        return self.structured_output.gate_send(self._gate_commits(batch), sample_seqs)
+
+    def _sample_gated(self, gate: int, step: _Unsampled) -> DeferredOutput:
         """A constrained step with a grammar process: its masking and sampling are queued now,
-        behind a wait for the child's rows (``grammar_board``); its sampled ids go to the board
-        for the next step's commits, and its errors are read with its output."""
+        behind a wait for the children's rows (``grammar_board``); its sampled ids go to the
+        board for the next step's commits, and its errors are read with its output."""
         worker = self.structured_output
-        gate = worker.gate_step(self._gate_commits(batch), step.seqs, step.logits)
+        worker.gate_mask(gate, step.logits)
         out = self._sample(step, {})
         assert isinstance(out, DeferredOutput)
         worker.publish(gate, out.token_ids)

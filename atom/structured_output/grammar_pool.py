@@ -15,7 +15,8 @@ take its next request at once.
 
 A gate (``grammar_board``) goes to the children that own one of its requests, each with its
 share of the commits and rows, writing into its own board; the rank's stream waits for and
-copies each child's rows and masks with them (``StructuredOutputWorker.gate_step``).
+copies each child's rows and masks with them (``StructuredOutputWorker.gate_send`` and
+``gate_mask``).
 """
 
 from __future__ import annotations

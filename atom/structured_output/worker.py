@@ -21,7 +21,7 @@ request's life on a rank:
 With a grammar process (``EngineConfig.grammar_process``: on CUDA by default) the states live in
 a process of their own (``grammar_process``), or are split over several (``grammar_pool``): the
 same steps run there, on their own interpreters, and write the rows into memory each shares with
-this process. Without speculative decoding the steps are gates (``gate_step``,
+this process. Without speculative decoding the steps are gates (``gate_send``, ``gate_mask``,
 ``grammar_board``): the stream, not this thread, waits for the rows, so the engine thread only
 sends a step and reads its errors with its output; and while gates are in flight ``prepare``
 asks without waiting and answers at a later poll.
@@ -115,8 +115,9 @@ class StructuredOutputWorker:
         self._gate_areas: list[torch.Tensor] = []
         self._stream: int | None = None  # CUDA: the last gate's stream (its driver handle)
         self._stream_flags: bool | None = None  # whether the stream waits work (``gates``)
-        # Per gate in flight: the grammar processes it went to, each with its jobs.
-        self._gate_jobs: dict[int, list[tuple[int, list[RowJob]]]] = {}
+        # Per gate in flight: the grammar processes it went to, each with its jobs and whether
+        # the message reached it.
+        self._gate_jobs: dict[int, list[tuple[int, list[RowJob], bool]]] = {}
         # The last gate's commits and jobs and their split by owner: a batch that keeps
         # decoding sends equal ones every step, which then need no split again.
         self._last_split: tuple[list, list, list] = ([], [], [])
@@ -319,37 +320,44 @@ class StructuredOutputWorker:
 
     @property
     def next_gate(self) -> int:
-        """The number the next ``gate_step`` gets (``GateCommit`` sources count back from it)."""
+        """The number the next ``gate_send`` gets (``GateCommit`` sources count back from it)."""
         return self._gate + 1
 
-    def gate_step(
-        self, commits: list[GateCommit], seqs: list[Sequence], logits: torch.Tensor
-    ) -> int:
+    def gate_send(self, commits: list[GateCommit], seqs: list[Sequence]) -> int:
         """Send a step's grammar work to the grammar processes that own its constrained
-        requests and queue the masking of ``logits`` behind it; returns the step's gate.
-        ``commits``: the acknowledged tokens per request, a placeholder's source a
-        ``(gates back, row)`` of the ring (``publish``).
+        requests; returns the step's gate. ``commits``: the acknowledged tokens per request, a
+        placeholder's source a ``(gates back, row)`` of the ring (``publish``); ``seqs``: the
+        step's sampling sequences, in logits row order.
 
-        On CUDA the stream waits for each child's rows, copies them, marks them copied and
-        masks; the caller queues the sampling next, and nothing here waits. On CPU this waits
-        for the rows and masks at once. A child that fails leaves its rows unmasked and fails
-        its requests (``gate_errors``)."""
+        Called as soon as the step is scheduled, before its inputs are built and its forward
+        launched: the children fill while this thread does that. ``gate_mask`` then queues the
+        masking of the step's logits behind their rows."""
         if self._mask_buffers is None:
-            self._mask_buffers = self._new_mask_buffers(logits.shape[1])
-        if self.device.type == "cuda":  # publish's too, even for a gate that was not sent
-            self._stream = current_stream_handle(self.device)
+            self._mask_buffers = self._new_mask_buffers(self.model.lm_head.org_vocab_size)
         self._gate += 1
         gate, members = self._gate, []
         for child, (child_commits, jobs) in self._split(commits, self._jobs(seqs)):
-            members.append((child, jobs))
-            process = self.pool.processes[child]
             try:
-                process.send_gate(gate, child_commits, jobs)
+                self.pool.processes[child].send_gate(gate, child_commits, jobs)
             except GrammarProcessError:
-                continue  # gate_errors says why
-            self._mask_with(process, child, gate, len(jobs), logits)
+                members.append((child, jobs, False))  # gate_errors says why
+                continue
+            members.append((child, jobs, True))
         self._gate_jobs[gate] = members
         return gate
+
+    def gate_mask(self, gate: int, logits: torch.Tensor) -> None:
+        """Queue the masking of ``logits`` with the rows of ``gate`` (``gate_send``).
+
+        On CUDA the stream waits for each child's rows, copies them, marks them copied and
+        masks; the caller queues the sampling next, and nothing here waits. On CPU this waits
+        for the rows and masks at once. A child that failed leaves its rows unmasked and fails
+        its requests (``gate_errors``)."""
+        if self.device.type == "cuda":  # publish's too
+            self._stream = current_stream_handle(self.device)
+        for child, jobs, sent in self._gate_jobs[gate]:
+            if sent:
+                self._mask_with(self.pool.processes[child], child, gate, len(jobs), logits)
 
     def _split(
         self, commits: list[GateCommit], jobs: list[RowJob]
@@ -418,9 +426,9 @@ class StructuredOutputWorker:
 
     def publish(self, gate: int, token_ids: torch.Tensor) -> None:
         """Put a gate's sampled ids (int64) into the rings of the grammar processes it went to
-        once they are sampled (on the stream of its ``gate_step``, after the work queued so
+        once they are sampled (on the stream of its ``gate_mask``, after the work queued so
         far), for their next gates' commits."""
-        for child, _ in self._gate_jobs[gate]:
+        for child, _, _ in self._gate_jobs[gate]:
             board = self.pool.processes[child].board
             slot = board.tokens(gate)[: token_ids.numel()]
             if self.device.type != "cuda":
@@ -435,7 +443,7 @@ class StructuredOutputWorker:
         read before the gate's sampled ids, which wait for their rows); the requests of a
         child that failed all fail."""
         errors: dict[int, str] = {}
-        for child, jobs in self._gate_jobs.pop(gate, []):
+        for child, jobs, _ in self._gate_jobs.pop(gate, []):
             try:
                 errors.update(self.pool.processes[child].answer_of(("gate", gate)))
             except GrammarProcessError as e:
