@@ -56,12 +56,18 @@ def _timed(fn: Callable[[], object], iters: int) -> float:
 def measure(rows: int, iters: int, conn) -> dict[str, float]:
     """Each of a gate's engine-thread operations at ``rows`` constrained rows."""
     from atom.model_ops.triton_structured_output import apply_token_bitmask_inplace
-    from atom.structured_output.stream_flags import current_stream_handle, stream_wait, stream_write
+    from atom.structured_output.stream_flags import (
+        current_stream_handle,
+        host_register,
+        host_unregister,
+        stream_wait,
+        stream_write,
+    )
 
     dev = torch.device("cuda")
     ring_at = 64 + rows * WORDS * 4 + -(-(rows + 1) * 4 // 64) * 64  # 64-byte aligned
     host = torch.zeros(ring_at + rows * 8, dtype=torch.uint8)
-    torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
+    host_register(dev, host.data_ptr(), host.numel())
     counter = host.data_ptr()
     host_rows = host[64 : 64 + rows * WORDS * 4].view(torch.int32).view(rows, WORDS)
     host_rows.fill_(-1)
@@ -108,7 +114,7 @@ def measure(rows: int, iters: int, conn) -> dict[str, float]:
         ),
     }
     result = {name: _timed(fn, iters) for name, fn in ops.items()}
-    torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+    host_unregister(dev, host.data_ptr())
     return result
 
 

@@ -278,12 +278,14 @@ class StepTimer:
             for name in (
                 "start_step",
                 "finish_step",
+                "gate_step",  # before gate_send and gate_mask (a baseline checkout)
                 "gate_send",
                 "gate_mask",
                 "publish",
                 "gate_errors",
             ):
-                setattr(worker, name, self._timed(getattr(worker, name)))
+                if hasattr(worker, name):  # a baseline checkout may predate some of them
+                    setattr(worker, name, self._timed(getattr(worker, name)))
 
     def full_decode(self, n: int) -> bool:
         """Did this step schedule, and read the output of, n-sequence decode-only batches?"""

@@ -67,6 +67,9 @@
 #   bash benchmarks/gpu_suite.sh processes_profile (host segments of a step and the grammar
 #                                          processes' time per gate at batch 64 and 256, one
 #                                          process and two; ~4 minutes)
+#   bash benchmarks/gpu_suite.sh pool_probe (the page lock's GPU tests; host segments of a step
+#                                          and the children's commit and fill, 2 and 4 grammar
+#                                          processes, batch 64 and 256; ~6 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -395,10 +398,22 @@ processes_profile() {  # segments of a step, and the busiest child's time per ga
             --grammar-process on --grammar-processes $n --tag p$n --out $out
     done
 }
+pool_probe() {  # the page-lock fix's GPU tests, then where a batch-256 constrained step goes
+    # with 2 grammar processes (the default) and with 4 (sharing from 16 live requests)
+    step pytest_pool 200 python3 -m pytest -q -m gpu --durations=5 -o faulthandler_timeout=150 \
+        "tests/model_engine/test_cuda_graph.py::test_graphs_with_a_structured_output_request" \
+        tests/structured_output/test_grammar_board.py tests/structured_output/test_grammar_process.py
+    for n in 2 4; do
+        step profile_p$n 110 python3 benchmarks/profile_step.py --random-llama-1b --device cuda \
+            --batch-sizes 64 256 --schemas mostly-forbidden --steps 24 --profile-steps 2 \
+            --grammar-process on --grammar-processes $n --share-from $((n == 2 ? 64 : 16)) \
+            --tag p$n --out $out
+    done
+}
 gpu_tests() {  # the GPU tests alone (288 s on a cold H200 at 75926ed: 40 tests)
     step pytest_gpu 380 python3 -m pytest -q -m gpu --durations=10 -o faulthandler_timeout=150 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-: "${1:?one or more of: processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+: "${1:?one or more of: pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 for mode in "$@"; do "$mode"; done
 tail -n 200 $out/summary.log

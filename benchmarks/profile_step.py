@@ -121,8 +121,9 @@ class ChildTiming:
         (runner,) = engine.executor.workers
         worker = runner.structured_output
         self.processes = worker.pool.processes if worker.pool is not None and worker.gates else []
-        self.totals = [[0, 0.0, 0.0] for _ in self.processes]  # gates, busy s, waited s
-        self._before: list[tuple[int, float, float]] = []
+        # gates, busy s, and of that: waited, committing, filling (``gate_timing``)
+        self.totals = [[0, 0.0, 0.0, 0.0, 0.0] for _ in self.processes]
+        self._before: list[tuple] = []
 
     def start(self) -> None:
         self._before = [p.call("gate_timing") for p in self.processes]
@@ -132,17 +133,19 @@ class ChildTiming:
             return
         for total, process, before in zip(self.totals, self.processes, self._before, strict=True):
             now = process.call("gate_timing")
-            for k in range(3):
-                total[k] += now[k] - before[k]
+            for k, (value, start) in enumerate(zip(now, before, strict=True)):
+                total[k] += value - start
 
     def per_step_ms(self) -> dict:
         busiest = max(self.totals, key=lambda t: t[1] - t[2], default=None)
         if busiest is None or not busiest[0]:
             return {}
-        gates, busy_s, waited_s = busiest
+        gates, busy_s, waited_s, commit_s, fill_s = busiest
         return {
             "child_gate_ms": 1000 * (busy_s - waited_s) / gates,
             "child_wait_ms": 1000 * waited_s / gates,
+            "child_commit_ms": 1000 * commit_s / gates,
+            "child_fill_ms": 1000 * fill_s / gates,
             "grammar_processes": len(self.processes),
         }
 
@@ -306,6 +309,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--grammar-processes", type=int, default=None, help="default: the engine's (by cores)"
     )
+    ap.add_argument(
+        "--share-from",
+        type=int,
+        default=None,
+        help="live requests the first grammar process takes before the others get new ones "
+        "(default: structured_output.grammar_pool.SHARE_FROM)",
+    )
     ap.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument(
         "--inline-rows",
@@ -332,6 +342,10 @@ def main() -> None:
         from atom.structured_output import worker
 
         worker.INLINE_ROWS = args.inline_rows
+    if args.share_from is not None:
+        from atom.structured_output import grammar_pool
+
+        grammar_pool.SHARE_FROM = args.share_from
     args.model = bss.resolve_model(args)
     engine = make_engine(args)
     schemas = {k: bss.RANDOM_SCHEMAS[k] for k in args.schemas} if args.random_llama_1b else None

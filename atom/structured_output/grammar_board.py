@@ -14,15 +14,19 @@ sampled ids here for the child to commit. Three 64-bit counters say how far each
 The counters only grow. The rank sets ``DONE`` to ``RELEASED`` when the child fails or the rank
 shuts down, so a stream never waits for a child that is gone; a gate released that way finds
 an area stamped with another gate (``row_index``), whose rows then mask nothing. The mapping is
-one file in ``/dev/shm``, page-locked in the rank on CUDA, so the stream reads and writes it
-directly.
+one file in ``/dev/shm``, page-locked in the rank on CUDA (``pin``), so the stream reads and
+writes it directly. The board owns that page lock: it ends with the board even when nobody
+shuts the rank down, before the memory is unmapped (a page lock outliving its mapping made the
+next board mapped at that address fail to lock).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -83,6 +87,7 @@ class GrammarBoard:
             flat = raw[start : start + index_bytes + max_rows * num_words * 4].view(torch.int32)
             rows = flat[self.index_words :].view(max_rows, num_words)
             self._areas.append((flat, rows, flat[: max_rows + 1]))
+        self._unpin: weakref.finalize | None = None
 
     @classmethod
     def create(cls, max_rows: int, num_words: int) -> GrammarBoard:
@@ -99,6 +104,20 @@ class GrammarBoard:
 
     def unlink(self) -> None:
         os.unlink(self.path)
+
+    def pin(self, device: torch.device) -> None:
+        """Page-lock the mapping for ``device`` until ``unpin`` or until this board is
+        collected: a copy from pageable memory would wait for the stream, and a stream can wait
+        on and write only page-locked counters."""
+        from atom.structured_output.stream_flags import host_register
+
+        host_register(device, self.raw.data_ptr(), self.nbytes)
+        self._unpin = weakref.finalize(self, _unpin, device, self.raw.data_ptr())
+
+    def unpin(self) -> None:
+        """End the page lock (after the device's work so far); idempotent."""
+        if self._unpin is not None:
+            self._unpin()
 
     def rows(self, gate: int) -> torch.Tensor:
         """The mask rows of ``gate``'s area: ``[max_rows, num_words]`` int32."""
@@ -156,3 +175,12 @@ class GrammarBoard:
                 os.sched_yield()
             else:
                 time.sleep(1e-4)
+
+
+def _unpin(device: torch.device, address: int) -> None:
+    """A board's page lock ends (its finalizer: the mapping is still there). At interpreter
+    exit the driver may already be gone, and with it the lock."""
+    from atom.structured_output.stream_flags import host_unregister
+
+    with contextlib.suppress(RuntimeError):
+        host_unregister(device, address)

@@ -102,7 +102,6 @@ class GrammarProcess:
         ).start()
         self._timeout_s = timeout_s
         self._lock = threading.Lock()  # one call at a time: steps, admissions and releases
-        self._pinned: int | None = None  # the board's address while page-locked
         self.board: GrammarBoard | None = None  # set by ``map_board``
         # Messages sent without waiting (gates among them), by ticket: those whose answers are
         # still due (in order), and those answered and not read yet.
@@ -238,26 +237,16 @@ class GrammarProcess:
         finally:
             board.unlink()  # both mappings stay; the memory goes with the last of them
         if device.type == "cuda":
-            self._pin(board.raw)
+            board.pin(device)
         self.board = board
         self._boards.append(board)
         return board
 
-    def _pin(self, raw: torch.Tensor) -> None:
-        """Page-lock the mapping: a copy from pageable memory would wait for the stream, and a
-        stream can wait on and write only page-locked counters."""
-        code = torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), 0)
-        if int(code) != 0:
-            raise RuntimeError(f"cudaHostRegister of the grammar board failed: cudaError {code}")
-        self._pinned = raw.data_ptr()
-
     def shutdown(self) -> None:
         if self.board is not None:
             self.board.set(DONE, RELEASED)  # nothing queued may wait for the child any more
-        if self._pinned is not None:
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(self._pinned)
-            self._pinned = None
+        for board in self._boards:
+            board.unpin()
         with self._lock:
             self._finalizer()
 
@@ -292,6 +281,7 @@ class _Grammars:
         self.board: GrammarBoard | None = None
         self._views: dict[tuple[int, int], torch.Tensor] = {}  # fill_masks keeps a view it knows
         self._gates, self._gate_s, self._waited_s = 0, 0.0, 0.0  # see gate_timing
+        self._commit_s, self._fill_s = 0.0, 0.0
         self._last_gate: tuple[list, list] = ([], [])  # commits and jobs, reused when unsent
         # The last gate whose rows went into each area: the next gate that writes there waits
         # until the stream copied them (a rank with several grammar processes sends each only
@@ -361,12 +351,17 @@ class _Grammars:
     ) -> dict[int, str]:
         from atom.structured_output.grammar_rows import fill_rows
 
-        self.manager.commit_many(self._resolve(board, gate, commits, timeout_s))
+        updates = self._resolve(board, gate, commits, timeout_s)
+        start = time.perf_counter()
+        self.manager.commit_many(updates)
         waited = time.perf_counter()
+        self._commit_s += waited - start
         board.wait(COPIED, self._area_gate[gate % 2], timeout_s)
         self._area_gate[gate % 2] = gate
-        self._waited_s += time.perf_counter() - waited
+        start = time.perf_counter()
+        self._waited_s += start - waited
         filled = fill_rows(self.manager, lambda n: self._rows(gate % 2, n), jobs)
+        self._fill_s += time.perf_counter() - start
         masked = set(filled.logits_rows)
         unmasked = [job[3] for job in jobs if job[3] not in masked]
         rows, index, n = board.rows(gate), board.row_index(gate).numpy(), filled.num_rows
@@ -375,10 +370,11 @@ class _Grammars:
         index[-1] = stamp_of(gate)  # last: the area holds this gate's rows
         return filled.errors
 
-    def gate_timing(self) -> tuple[int, float, float]:
-        """Gates done, seconds in them, and seconds of that waiting for the stream (sampled ids
-        published, an area copied): ``benchmarks/profile_step.py`` reads it."""
-        return self._gates, self._gate_s, self._waited_s
+    def gate_timing(self) -> tuple[int, float, float, float, float]:
+        """Gates done, seconds in them, and of those seconds: waiting for the stream (sampled
+        ids published, an area copied), in ``commit_many``, in ``fill_rows``;
+        ``benchmarks/profile_step.py`` reads it."""
+        return self._gates, self._gate_s, self._waited_s, self._commit_s, self._fill_s
 
     def _resolve(self, board: GrammarBoard, gate: int, commits: list, timeout_s: float) -> list:
         """``(request_id, tokens, source)`` of ``gate`` with ``source`` a ``(gates back, row)``

@@ -252,26 +252,18 @@ class StructuredOutputWorker:
         """Commit the acknowledged tokens (a rejected one marks only its request; one without a
         state on this rank is failed by ``fill_rows``), fill the step's rows, mask ``logits``
         (on ``stream``, the engine thread's) with them; the errors by sequence id."""
-        rows = self._fill(updates, self._jobs(seqs, drafts), logits)
+        rows = self._fill(updates, self._jobs(seqs, drafts))
         if rows.num_rows:
             assert self._mask_buffers is not None and logits is not None
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 self._mask_buffers.apply(logits, rows.num_rows, rows.logits_rows)
         return rows.errors
 
-    def _fill(
-        self,
-        updates: Callable[[], list[GrammarUpdate]],
-        jobs: list[RowJob],
-        logits: torch.Tensor | None,
-    ) -> GrammarRows:
+    def _fill(self, updates: Callable[[], list[GrammarUpdate]], jobs: list[RowJob]) -> GrammarRows:
         """Commit the acknowledged tokens and fill the rows of ``jobs``, in this process or in
         the grammar process."""
         commits = [(u.request_id, u.new_token_ids) for u in updates()]
-        if self._mask_buffers is None:
-            self._mask_buffers = self._new_mask_buffers(
-                logits.shape[1] if logits is not None else 0
-            )
+        self._ensure_mask_buffers()
         if self.pool is not None:  # one grammar process without gates (``_initialize``)
             self._mask_buffers.wait_host_free()  # the child writes into the rows the copy reads
             return self.pool.processes[0].call("step", commits, jobs)
@@ -279,6 +271,16 @@ class StructuredOutputWorker:
             if self.manager is not None and commits:
                 self.manager.commit_many(commits)
             return fill_rows(self.manager, self._mask_buffers.host_rows, jobs)
+
+    def _ensure_mask_buffers(self) -> None:
+        """Make the mask rows once, sized by the model's vocabulary (never by a step's logits:
+        a step that samples nothing has none), under the lock: the grammar thread (``_fill``)
+        and the engine thread (``gate_send``) may both come first."""
+        if self._mask_buffers is None:
+            with self._lock:
+                if self._mask_buffers is None:
+                    vocab_size = self.model.lm_head.org_vocab_size
+                    self._mask_buffers = self._new_mask_buffers(vocab_size)
 
     def _new_mask_buffers(self, vocab_size: int) -> MaskBuffers:
         """In-process rows grow on demand; a grammar process's are mapped once (its board),
@@ -332,8 +334,7 @@ class StructuredOutputWorker:
         Called as soon as the step is scheduled, before its inputs are built and its forward
         launched: the children fill while this thread does that. ``gate_mask`` then queues the
         masking of the step's logits behind their rows."""
-        if self._mask_buffers is None:
-            self._mask_buffers = self._new_mask_buffers(self.model.lm_head.org_vocab_size)
+        self._ensure_mask_buffers()
         self._gate += 1
         gate, members = self._gate, []
         for child, (child_commits, jobs) in self._split(commits, self._jobs(seqs)):

@@ -4,6 +4,7 @@ when the value never comes or the writer is gone (a stream never waits on a dead
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -121,3 +122,27 @@ def test_grammar_processes_default_to_one_per_seven_spare_cores(monkeypatch):
         EngineConfig(structured_output_grammar_processes=2, **speculative)
     with pytest.raises(ValueError, match="structured_output_grammar_processes"):
         EngineConfig(structured_output_grammar_processes=0)
+
+
+@pytest.mark.gpu
+def test_a_board_dropped_without_shutdown_ends_its_page_lock():
+    """A board's page lock ends with the board: an engine collected without ``shutdown`` once
+    left its board locked after the memory was unmapped, and the next board mapped at that
+    address failed to lock (the kernel hands a freed range of that size out again)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    device, addresses = torch.device("cuda"), []
+    for _ in range(3):
+        board = GrammarBoard.create(max_rows=64, num_words=4040)
+        board.unlink()
+        board.pin(device)
+        addresses.append(board.raw.data_ptr())
+        del board
+        gc.collect()
+    assert len(set(addresses)) < len(addresses)  # the test mapped one address twice
+    assert torch.ones(4, device=device).sum().item() == 4  # no CUDA error left behind
+    again = GrammarBoard.create(max_rows=64, num_words=4040)
+    again.unlink()
+    again.pin(device)
+    again.unpin()
+    again.unpin()  # idempotent, as shutdown may follow a finalizer
