@@ -19,7 +19,10 @@ request's next answer token:
 - ``raw par 1t`` and ``raw par lanes``: the same over matchers of the same answers kept outside
   the manager, copied from one compile of the schema, or from ``--threads`` independent compiles
   (contiguous rows from one): what llguidance's shared lexer costs the executor, and what the
-  manager's grammar lanes win back (``structured_output/grammar_lanes.py``).
+  manager's grammar lanes win back (``structured_output/grammar_lanes.py``);
+- ``consume serial`` and ``consume par``: the commit's llguidance calls alone, each matcher's
+  ``consume_token`` in turn on this thread, or all of them through the executor's
+  ``consume_token_par`` (run after the ``raw serial`` and ``raw par`` fills).
 
 Medians over ``--steps`` steps of each fill (after ``--warmup``). With ``--baseline DIR`` (another checkout,
 e.g. ``git archive HEAD~1 | tar -x -C /tmp/atom-base``) the same steps also run against that
@@ -43,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +55,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 TOKENIZERS = ("smollm2", "deepseek")
-COLUMNS = ("fill", "commit", "step", "raw_serial", "raw_par", "raw_par_1t", "raw_par_lanes")
+COLUMNS = (
+    "fill",
+    "commit",
+    "step",
+    "raw_serial",
+    "raw_par",
+    "raw_par_1t",
+    "raw_par_lanes",
+    "consume_serial",
+    "consume_par",
+)
 
 STRINGS_SCHEMA = {
     "type": "object",
@@ -222,6 +236,25 @@ class Shadows:
             assert self.matchers[i].consume_token(self.tokens[position - 1])
 
 
+def consume_serial(mgr: Any, executor: Any, updates: list) -> Callable[[], None]:
+    """Each state's matcher consumes its token, one after another on this thread; returns the
+    states' bookkeeping of it (``GrammarState.consumed``), for after the clock stops."""
+    states = [(mgr.state(rid), token) for rid, (token,) in updates]
+    accepted = [state.matcher.consume_token(token) for state, token in states]
+    return lambda: [s.consumed(t, ok) for (s, t), ok in zip(states, accepted, strict=True)]
+
+
+def consume_par(mgr: Any, executor: Any, updates: list) -> Callable[[], None]:
+    """The same on llguidance's executor (``consume_token_par``)."""
+    states = [(mgr.state(rid), token) for rid, (token,) in updates]
+    accepted = executor.consume_token_par([(state.matcher, token) for state, token in states])
+    return lambda: [s.consumed(t, ok) for (s, t), ok in zip(states, accepted, strict=True)]
+
+
+# After which fill each raw consume runs (the others commit through the manager).
+RAW_CONSUMES = {"raw_serial": consume_serial, "raw_par": consume_par}
+
+
 def run_case(side: Side, case: str, n: int, args: argparse.Namespace, executor: Any) -> dict:
     """Median milliseconds per step of each column, for ``n`` requests on ``case``."""
     import torch
@@ -258,13 +291,22 @@ def run_case(side: Side, case: str, n: int, args: argparse.Namespace, executor: 
             jobs = [(m, i) for i, m in enumerate(matchers)]
             executor.unsafe_compute_mask_ptr(jobs, base, row_bytes, n)
         t1 = time.perf_counter()
-        commit([(rid, [tokens[at[i]]]) for i, rid in enumerate(rids)])
+        updates = [(rid, [tokens[at[i]]]) for i, rid in enumerate(rids)]
+        raw_consume = RAW_CONSUMES.get(column)
+        if raw_consume is None:
+            commit(updates)
+        else:
+            consumed = raw_consume(mgr, executor, updates)
         t2 = time.perf_counter()
+        if raw_consume is not None:
+            consumed()  # the states' own bookkeeping, untimed
         if step >= len(fills) * args.warmup:
             times[column].append((t1 - t0) * 1e3)
             if column == "fill":
                 times["commit"].append((t2 - t1) * 1e3)
                 times["step"].append((t2 - t0) * 1e3)
+            elif raw_consume is not None:
+                times[f"consume_{column.removeprefix('raw_')}"].append((t2 - t1) * 1e3)
         for i, rid in enumerate(rids):
             at[i] += 1
             if at[i] == len(tokens):

@@ -70,6 +70,8 @@
 #   bash benchmarks/gpu_suite.sh pool_probe (the page lock's GPU tests; host segments of a step
 #                                          and the children's commit and fill, 2 and 4 grammar
 #                                          processes, batch 64 and 256; ~6 minutes)
+#   BASELINE=.baseline [ROUNDS=1] bash benchmarks/gpu_suite.sh commit_probe (a commit's llguidance
+#                                          calls in turn and in parallel; structured_ab; ~5 min)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -410,10 +412,18 @@ pool_probe() {  # the page-lock fix's GPU tests, then where a batch-256 constrai
             --tag p$n --out $out
     done
 }
+commit_probe() {  # a commit's llguidance calls in turn or on the executor (7 cores, as one of
+    # two grammar processes has them), then BASELINE's structured-output overhead against this
+    # checkout's (structured_ab)
+    step grammar_step 150 taskset -c 0-6 python3 benchmarks/bench_grammar_step.py \
+        --tokenizers deepseek --cases int-array strings --batches 64 128 --steps 100 \
+        --threads 7 --out $out
+    structured_ab
+}
 gpu_tests() {  # the GPU tests alone (288 s on a cold H200 at 75926ed: 40 tests)
     step pytest_gpu 380 python3 -m pytest -q -m gpu --durations=10 -o faulthandler_timeout=150 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-: "${1:?one or more of: pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+: "${1:?one or more of: commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 for mode in "$@"; do "$mode"; done
 tail -n 200 $out/summary.log

@@ -328,7 +328,11 @@ class ModelRunner:
         if not (batch.has_constrained and sample_seqs and self.structured_output.gates):
             return None
         self._queue_sampling()  # a step without a gate commits first, in order
-        return self.structured_output.gate_send(self._gate_commits(batch), sample_seqs)
+        worker = self.structured_output
+        if not batch.grammar_updates:
+            if worker.repeats_last_gate(sample_seqs, len(batch.grammar_placeholders)):
+                return worker.repeat_gate()
+        return worker.gate_send(self._gate_commits(batch), sample_seqs)
 
     def _sample_gated(self, gate: int, step: _Unsampled) -> DeferredOutput:
         """A constrained step with a grammar process: its masking and sampling are queued now,
@@ -346,10 +350,11 @@ class ModelRunner:
     def _gate_commits(self, batch: ScheduledBatch) -> list[GateCommit]:
         """The batch's grammar updates for a gate: a placeholder's source is the ring row of the
         gate that sampled it, counted back from the next gate (a step sampled without a gate is
-        read here, waiting for it). Runs every constrained step, once per constrained request."""
+        read here, waiting for it). Runs on a constrained step that does not repeat the last
+        gate (``StructuredOutputWorker.repeats_last_gate``), once per constrained request."""
         next_gate, sampled_in = self.structured_output.next_gate, self._sampled_in
         commits: list[GateCommit] = []
-        for u in batch.grammar_updates:
+        for u in batch.all_grammar_updates():
             tokens = u.new_token_ids  # the scheduler's own slice: nothing else holds it
             if PLACEHOLDER not in tokens:
                 commits.append((u.request_id, tokens, None))
@@ -368,7 +373,7 @@ class ModelRunner:
         placeholder becomes the token this rank sampled for it, read from its step's host copy
         (which may wait for that copy, on that thread). The steps are looked up here, now."""
         known: list[tuple[GrammarUpdate, DeferredOutput | VerifiedOutput | None]] = []
-        for u in batch.grammar_updates:
+        for u in batch.all_grammar_updates():
             source = None
             if PLACEHOLDER in u.new_token_ids:
                 source = self._sampled_in[u.seq_id]

@@ -108,8 +108,6 @@ class GrammarProcess:
         self._in_flight: deque[Ticket] = deque()
         self._answers: dict[Ticket, Any] = {}
         self._sent = 0  # calls sent without waiting so far
-        self._last_commits: list | None = None  # the last gate's, as the child keeps them
-        self._last_jobs: list | None = None
         self.dead_reason: str | None = None  # set when the child exited or stopped answering
         if wait:
             self.wait_started()
@@ -151,15 +149,18 @@ class GrammarProcess:
 
     def send_gate(self, gate: int, commits: list, jobs: list) -> Ticket:
         """Queue a gate's grammar work (``_Grammars.gate``) without waiting for it; its answer
-        is read by ``answer_of`` with the returned ticket. Commits and jobs equal to the last
-        gate's (a batch that keeps decoding: sources count gates back) are not sent again:
-        pickling them took 30 µs at 64 rows and 150 µs at 256 on the H200's host."""
+        is read by ``answer_of`` with the returned ticket."""
+        return self._queue_gate(gate, "gate", (gate, commits, jobs, self._timeout_s))
+
+    def send_repeat_gate(self, gate: int) -> Ticket:
+        """Queue the last gate's work again as ``gate`` (``_Grammars.repeat_gate``): a batch
+        that keeps decoding sends no commits or jobs (pickling them took 30 µs at 64 rows and
+        150 µs at 256 on the H200's host)."""
+        return self._queue_gate(gate, "repeat_gate", (gate, self._timeout_s))
+
+    def _queue_gate(self, gate: int, method: str, args: tuple) -> Ticket:
         with self._lock:
-            if commits == self._last_commits and jobs == self._last_jobs:
-                self._send("gate", (gate, None, None, self._timeout_s), True)
-            else:
-                self._send("gate", (gate, commits, jobs, self._timeout_s), True)
-                self._last_commits, self._last_jobs = commits, jobs
+            self._send(method, args, True)
             self._in_flight.append(("gate", gate))
             return self._in_flight[-1]
 
@@ -282,7 +283,9 @@ class _Grammars:
         self._views: dict[tuple[int, int], torch.Tensor] = {}  # fill_masks keeps a view it knows
         self._gates, self._gate_s, self._waited_s = 0, 0.0, 0.0  # see gate_timing
         self._commit_s, self._fill_s = 0.0, 0.0
-        self._last_gate: tuple[list, list] = ([], [])  # commits and jobs, reused when unsent
+        # The last gate's number and jobs, and the commits that repeat it (``repeat_gate``).
+        self._last_gate: tuple[int, list] = (0, [])
+        self._repeat: tuple[list | None, int, list] = (None, 0, [])
         # The last gate whose rows went into each area: the next gate that writes there waits
         # until the stream copied them (a rank with several grammar processes sends each only
         # the gates with its requests in them, so that is not always two gates back).
@@ -322,23 +325,29 @@ class _Grammars:
             self.manager.commit_many(updates)
         return fill_rows(self.manager, lambda n: self._rows(0, n), jobs)
 
-    def gate(
-        self, gate: int, commits: list | None, jobs: list | None, timeout_s: float
-    ) -> dict[int, str]:
-        """A gate's work (``grammar_board``): commit the acknowledged tokens (None: the last
-        gate's commits and jobs again), placeholders read from the ring once the stream
-        published them; then write one row per job into the gate's area, once the stream
-        copied what that area held before, with its logits row (an allow-all row for a request
-        that gets no mask: it fails, its token is dropped).
+    def repeat_gate(self, gate: int, timeout_s: float) -> dict[int, str]:
+        """The last gate's jobs again as ``gate``, each committing the id the last gate sampled
+        in its row (the commits made once per set of jobs)."""
+        last, jobs = self._last_gate
+        made_for, back, commits = self._repeat
+        if made_for is not jobs or back != gate - last:
+            back = gate - last  # 1: the rank repeats only the gate just before
+            commits = [(rid, [PLACEHOLDER], (back, row)) for _, rid, _, row in jobs]
+            self._repeat = jobs, back, commits
+        return self.gate(gate, commits, jobs, timeout_s)
+
+    def gate(self, gate: int, commits: list, jobs: list, timeout_s: float) -> dict[int, str]:
+        """A gate's work (``grammar_board``): commit the acknowledged tokens, placeholders read
+        from the ring once the stream published them; then write one row per job into the
+        gate's area, once the stream copied what that area held before, with its logits row
+        (an allow-all row for a request that gets no mask: it fails, its token is dropped).
         ``DONE`` is raised even when this fails, so the stream never waits for it; the area
         then keeps another gate's stamp (``GrammarBoard.row_index``), so its rows mask nothing,
         and the rank fails the gate's requests."""
         board = self.board
         assert board is not None, "map_board first"
         start = time.perf_counter()
-        if commits is None:  # the same as the last gate's (``GrammarProcess.send_gate``)
-            commits, jobs = self._last_gate
-        self._last_gate = commits, jobs
+        self._last_gate = gate, jobs
         try:
             return self._gate_rows(board, gate, commits, jobs, timeout_s)
         finally:

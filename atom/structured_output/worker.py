@@ -118,9 +118,8 @@ class StructuredOutputWorker:
         # Per gate in flight: the grammar processes it went to, each with its jobs and whether
         # the message reached it.
         self._gate_jobs: dict[int, list[tuple[int, list[RowJob], bool]]] = {}
-        # The last gate's commits and jobs and their split by owner: a batch that keeps
-        # decoding sends equal ones every step, which then need no split again.
-        self._last_split: tuple[list, list, list] = ([], [], [])
+        # The last gate's sampling sequences and members (``repeat_gate``).
+        self._last_gate: tuple[list[Sequence], list[tuple[int, list[RowJob], bool]]] | None = None
         # CUDA, per (grammar process, area, rows): the views a gate's copy and kernel take.
         self._area_views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
         # Steps run one at a time on this thread; the lock keeps RPCs from touching grammar
@@ -345,6 +344,36 @@ class StructuredOutputWorker:
                 continue
             members.append((child, jobs, True))
         self._gate_jobs[gate] = members
+        self._last_gate = seqs, members
+        return gate
+
+    def repeats_last_gate(self, seqs: list[Sequence], num_placeholders: int) -> bool:
+        """Whether a step is the last gate again (a batch that keeps decoding): the same
+        sampling sequences in the same rows, and each constrained one commits only its
+        placeholder (``num_placeholders`` of them), which the last gate sampled. Then
+        ``repeat_gate`` sends it, with no commits or jobs to build, split or compare."""
+        last = self._last_gate
+        return (
+            last is not None
+            and num_placeholders == sum(len(jobs) for _, jobs, _ in last[1])
+            and seqs == last[0]  # the same objects: compared by identity, in C
+        )
+
+    def repeat_gate(self) -> int:
+        """Send the last gate's work again as a new gate (``repeats_last_gate``): each grammar
+        process commits the ids the last one sampled in its rows, then fills the same rows."""
+        assert self._last_gate is not None
+        self._gate += 1
+        gate, members = self._gate, []
+        for child, jobs, _ in self._last_gate[1]:
+            try:
+                self.pool.processes[child].send_repeat_gate(gate)
+            except GrammarProcessError:
+                members.append((child, jobs, False))  # gate_errors says why
+                continue
+            members.append((child, jobs, True))
+        self._gate_jobs[gate] = members
+        self._last_gate = self._last_gate[0], members
         return gate
 
     def gate_mask(self, gate: int, logits: torch.Tensor) -> None:
@@ -367,17 +396,13 @@ class StructuredOutputWorker:
         with any."""
         if len(self.pool.processes) == 1:
             return [(0, (commits, jobs))]
-        last_commits, last_jobs, last = self._last_split
-        if commits == last_commits and jobs == last_jobs:  # a job's sequence id is never reused
-            return last  # its lists are the ones each child got: ``send_gate`` sends none
         owners = self.pool.owners  # a request none holds goes to child 0, which fails its row
         split: dict[int, tuple[list[GateCommit], list[RowJob]]] = {}
         for commit in commits:
             split.setdefault(owners.get(commit[0], 0), ([], []))[0].append(commit)
         for job in jobs:
             split.setdefault(owners.get(job[1], 0), ([], []))[1].append(job)
-        self._last_split = commits, jobs, sorted(split.items())
-        return self._last_split[2]
+        return sorted(split.items())
 
     def _mask_with(
         self, process: GrammarProcess, child: int, gate: int, n: int, logits: torch.Tensor

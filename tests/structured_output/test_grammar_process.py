@@ -186,9 +186,9 @@ def _abort_and_arrival(
             pool = _worker(engine).pool
             if pool is not None and not sent:
                 for process in pool.processes:
-                    send = process.send
-                    spy = functools.partial(_spy_send, sent, send)
-                    monkeypatch.setattr(process, "send", spy)
+                    for method in ("send", "send_repeat_gate"):
+                        spy = functools.partial(_spy_send, sent, getattr(process, method))
+                        monkeypatch.setattr(process, method, spy)
                 sent.append("spy")
             if pool is not None:
                 owners.update(pool.owners.values())
@@ -208,9 +208,9 @@ def _abort_and_arrival(
         engine.shutdown()
 
 
-def _spy_send(sent: list[str], send, method: str, *args):
-    sent.append(method)
-    return send(method, *args)
+def _spy_send(sent: list[str], send, *args):
+    sent.append(args[0] if send.__name__ == "send" else send.__name__)
+    return send(*args)
 
 
 @pytest.mark.parametrize("processes", [1, 2])
@@ -222,6 +222,7 @@ def test_an_abort_and_an_arrival_while_gates_are_in_flight(request, monkeypatch,
     requests split over two grammar processes."""
     answers, sent = _abort_and_arrival(request, True, monkeypatch, processes)
     assert "prepare" in sent
+    assert "send_repeat_gate" in sent  # steady decoding repeats gates: their answers count too
     reference, _ = _abort_and_arrival(request, False, monkeypatch)
     assert answers == reference
     assert answers["late"][1] is None and answers["late"][0] == answers["json"][0]
@@ -315,25 +316,33 @@ def test_a_failed_gate_raises_done_and_keeps_another_stamp(smollm2_dir):
         grammars.manager.shutdown()
 
 
-def test_a_steady_batch_sends_its_commits_and_jobs_once(smollm2_dir, monkeypatch):
-    """Gates whose commits and jobs equal the last gate's (a batch that keeps decoding) send
-    neither again; the child answers them from the ones it kept."""
-    from atom.structured_output.grammar_board import COPIED
+def test_a_repeated_gate_sends_no_commits_or_jobs(smollm2_dir, monkeypatch):
+    """A gate that repeats the last one (a batch that keeps decoding) sends neither commits nor
+    jobs; the child answers it from the jobs it kept."""
+    from atom.structured_output.grammar_board import COPIED, TOKENS
     from atom.structured_output.grammar_process import GrammarProcess
 
     options = {"vocab_size": 49152, "stop_token_ids": [2], "threads": 1, "whitespace": "space"}
     process = GrammarProcess(str(smollm2_dir), options, timeout_s=30)
     try:
-        process.map_board(4, 49152 // 32, torch.device("cpu")).set(COPIED, 3)
+        board = process.map_board(4, 49152 // 32, torch.device("cpu"))
+        board.set(COPIED, 3)
+        board.set(TOKENS, 3)  # gate 2 commits the id gate 1 sampled: published, as by a stream
         sent = []
         conn_send = process._conn.send
         monkeypatch.setattr(process._conn, "send", lambda m: sent.append(m) or conn_send(m))
-        for gate, seq_id in ((1, 7), (2, 7), (3, 8)):  # jobs of requests with no state here
-            process.send_gate(gate, [], [(seq_id, f"r{seq_id}", [], 0)])
+        process.send_gate(1, [], [(7, "r7", [], 0)])  # a job of a request with no state here
+        process.send_repeat_gate(2)
+        process.send_gate(3, [], [(8, "r8", [], 0)])
         answers = [process.answer_of(("gate", gate)) for gate in (1, 2, 3)]
         assert [list(a) for a in answers] == [[7], [7], [8]]
         assert "no grammar state" in answers[1][7]
-        assert [args[1] is None for _, args, _ in sent] == [False, True, False]
+        assert [(method, args[0]) for method, args, _ in sent] == [
+            ("gate", 1),
+            ("repeat_gate", 2),
+            ("gate", 3),
+        ]
+        assert len(sent[1][1]) == 2  # the gate and the timeout
     finally:
         process.shutdown()
 
