@@ -103,12 +103,14 @@ def instrument(engine: Any, segments: Segments) -> None:
             (worker.pool.processes[0], "call", "grammar_process_call"),  # grammar thread (drafts)
             (runner, "_gate_commits", "gate_commits"),  # engine thread, from here on
             (worker, "gate_send", "gate_send"),
+            (worker, "repeat_gate", "gate_send"),  # a checkout's gate sent again (steady batch)
             (worker, "gate_mask", "gate_mask"),
             (worker, "publish", "gate_publish"),
             (worker, "gate_errors", "gate_answer_wait"),
         ]
     for owner, name, label in wraps:
-        segments.wrap(owner, name, label)
+        if hasattr(owner, name):  # a baseline checkout may predate some of them
+            segments.wrap(owner, name, label)
 
 
 class ChildTiming:
