@@ -67,8 +67,8 @@ __all__ = ["GateCommit", "StructuredOutputWorker"]
 
 # A request's acknowledged tokens for a gate: (request id, tokens, source), where a placeholder
 # in tokens is the sampled id at ``source`` = (gates back, row) of the board's ring: the row of
-# the gate that many gates before this one (1 while the batch keeps decoding), so that a steady
-# batch sends the same commits every step (``GrammarProcess.send_gate`` then sends none).
+# the gate that many gates before this one (1 while the batch keeps decoding: a steady batch
+# sends none, the child makes them from the last gate's jobs; ``repeat_gate``).
 GateCommit = tuple[str, list[int], tuple[int, int] | None]
 
 logger = logging.getLogger(__name__)
