@@ -83,6 +83,7 @@ commit, machine and device.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -91,6 +92,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -263,6 +265,7 @@ class StepTimer:
         self.last: tuple[int, bool] | None = None
         self.previous: tuple[int, bool] | None = None
         self.grammar_s = 0.0
+        self.cpus: Counter[int] = Counter()  # where this thread ran (``sample_cpu``)
         schedule = self.scheduler.schedule
 
         def recording_schedule():
@@ -286,6 +289,14 @@ class StepTimer:
             ):
                 if hasattr(worker, name):  # a baseline checkout may predate some of them
                     setattr(worker, name, self._timed(getattr(worker, name)))
+
+    def sample_cpu(self) -> None:
+        """Count the core this thread runs on now (Linux: ``/proc/thread-self/stat``'s 39th
+        field): a run's overhead may depend on whether the engine thread shares a core with a
+        grammar process (see ``placement``)."""
+        with contextlib.suppress(OSError):
+            stat = Path("/proc/thread-self/stat").read_text()
+            self.cpus[int(stat.rsplit(")", 1)[1].split()[36])] += 1
 
     def full_decode(self, n: int) -> bool:
         """Did this step schedule, and read the output of, n-sequence decode-only batches?"""
@@ -340,6 +351,8 @@ def run(engine: Any, timer: StepTimer, prompts: list[list[int]], specs: list, ar
         if full and timer.full_decode(n):
             steps.append(1000 * dt)
             grammar.append(1000 * timer.grammar_s)
+            if len(steps) % 8 == 1:
+                timer.sample_cpu()
         for o in outs:
             if o.finished:
                 finals[o.request_id] = o
@@ -658,6 +671,25 @@ def engine_info(engine: Any) -> dict:
     }
 
 
+def placement(engine: Any, timer: StepTimer) -> dict:
+    """The cores the engine thread was seen on during the timed steps (core: samples), and
+    those each grammar process may run on: batch 1's overhead went from 1.05 to 1.3 between
+    engine processes of the same code on the H200 (benchmarks/results/h200_2026-12-04m), and a
+    shared core is one suspect."""
+    (runner,) = engine.executor.workers
+    pool = runner.structured_output.pool
+    children = []
+    for process in pool.processes if pool is not None else []:
+        try:
+            children.append(sorted(os.sched_getaffinity(process.pid)))
+        except (OSError, AttributeError):
+            children.append(None)
+    return {
+        "engine_thread_cpus": dict(sorted(timer.cpus.items())),
+        "grammar_process_cpus": children,
+    }
+
+
 RATIO_LABELS = {
     "enabled_overhead": "enabled-request overhead (constrained / plain)",
     "disabled_regression": "disabled-request regression (plain / never)",
@@ -718,6 +750,11 @@ def print_checks(result: dict) -> None:
             + f" = {100 * share['constrained']['median']:.1f}% (constrained), "
             f"{100 * share['mixed']['median']:.1f}% (mixed) of plain TPOT"
         )
+    where = result["placement"]
+    print(
+        f"engine thread seen on cores (core: samples) {where['engine_thread_cpus']}; "
+        f"grammar processes on {where['grammar_process_cpus']}"
+    )
     print(f"`never` process imported structured output: {result['never_process_imported'] or 'no'}")
     print(
         f"grammar states after the run: {result['structured_output_stats_after']}; "
@@ -920,6 +957,7 @@ def bench(args: argparse.Namespace) -> None:
     raw = measure(engine, timer, never, prompts, rows, args)
     state = {
         "engine": engine_info(engine),
+        "placement": placement(engine, timer),
         "structured_output_stats_after": engine.structured_output_stats(),
         "preemptions": {"parent": timer.scheduler.num_preemptions},
     }
