@@ -30,6 +30,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.util import Finalize
@@ -283,9 +284,9 @@ class _Grammars:
         self._views: dict[tuple[int, int], torch.Tensor] = {}  # fill_masks keeps a view it knows
         self._gates, self._gate_s, self._waited_s = 0, 0.0, 0.0  # see gate_timing
         self._commit_s, self._fill_s = 0.0, 0.0
-        # The last gate's number and jobs, and the commits that repeat it (``repeat_gate``).
+        # The last gate's number and jobs, and the ring rows of those jobs (``repeat_gate``).
         self._last_gate: tuple[int, list] = (0, [])
-        self._repeat: tuple[list | None, int, list] = (None, 0, [])
+        self._repeat: tuple[list | None, np.ndarray | None] = (None, None)
         # The last gate whose rows went into each area: the next gate that writes there waits
         # until the stream copied them (a rank with several grammar processes sends each only
         # the gates with its requests in them, so that is not always two gates back).
@@ -327,14 +328,19 @@ class _Grammars:
 
     def repeat_gate(self, gate: int, timeout_s: float) -> dict[int, str]:
         """The last gate's jobs again as ``gate``, each committing the id the last gate sampled
-        in its row (the commits made once per set of jobs)."""
+        in its row (read for all rows at once)."""
         last, jobs = self._last_gate
-        made_for, back, commits = self._repeat
-        if made_for is not jobs or back != gate - last:
-            back = gate - last  # 1: the rank repeats only the gate just before
-            commits = [(rid, [PLACEHOLDER], (back, row)) for _, rid, _, row in jobs]
-            self._repeat = jobs, back, commits
-        return self.gate(gate, commits, jobs, timeout_s)
+        made_for, rows = self._repeat
+        if made_for is not jobs:
+            rows = np.array([job[3] for job in jobs], dtype=np.int64)
+            self._repeat = jobs, rows
+
+        def sampled(board: GrammarBoard) -> list:
+            self._wait_tokens(board, last, timeout_s)
+            tokens = board.tokens(last).numpy()[rows].tolist()
+            return [(job[1], [token]) for job, token in zip(jobs, tokens, strict=True)]
+
+        return self._gate(gate, sampled, jobs, timeout_s)
 
     def gate(self, gate: int, commits: list, jobs: list, timeout_s: float) -> dict[int, str]:
         """A gate's work (``grammar_board``): commit the acknowledged tokens, placeholders read
@@ -344,23 +350,34 @@ class _Grammars:
         ``DONE`` is raised even when this fails, so the stream never waits for it; the area
         then keeps another gate's stamp (``GrammarBoard.row_index``), so its rows mask nothing,
         and the rank fails the gate's requests."""
+        return self._gate(
+            gate, lambda b: self._resolve(b, gate, commits, timeout_s), jobs, timeout_s
+        )
+
+    def _gate(
+        self,
+        gate: int,
+        updates: Callable[[GrammarBoard], list],
+        jobs: list,
+        timeout_s: float,
+    ) -> dict[int, str]:
+        """``gate`` and ``repeat_gate``: ``updates(board)`` gives the commits, resolved."""
         board = self.board
         assert board is not None, "map_board first"
         start = time.perf_counter()
         self._last_gate = gate, jobs
         try:
-            return self._gate_rows(board, gate, commits, jobs, timeout_s)
+            return self._gate_rows(board, gate, updates(board), jobs, timeout_s)
         finally:
             board.set(DONE, gate)
             self._gates += 1
             self._gate_s += time.perf_counter() - start
 
     def _gate_rows(
-        self, board: GrammarBoard, gate: int, commits: list, jobs: list, timeout_s: float
+        self, board: GrammarBoard, gate: int, updates: list, jobs: list, timeout_s: float
     ) -> dict[int, str]:
         from atom.structured_output.grammar_rows import fill_rows
 
-        updates = self._resolve(board, gate, commits, timeout_s)
         start = time.perf_counter()
         self.manager.commit_many(updates)
         waited = time.perf_counter()
@@ -385,14 +402,18 @@ class _Grammars:
         ``benchmarks/profile_step.py`` reads it."""
         return self._gates, self._gate_s, self._waited_s, self._commit_s, self._fill_s
 
+    def _wait_tokens(self, board: GrammarBoard, gate: int, timeout_s: float) -> None:
+        """Until the stream published ``gate``'s sampled ids."""
+        waited = time.perf_counter()
+        board.wait(TOKENS, gate, timeout_s)
+        self._waited_s += time.perf_counter() - waited
+
     def _resolve(self, board: GrammarBoard, gate: int, commits: list, timeout_s: float) -> list:
         """``(request_id, tokens, source)`` of ``gate`` with ``source`` a ``(gates back, row)``
         of the ring for the placeholder in ``tokens``, as ``(request_id, tokens)``."""
         sources = [source for _, _, source in commits if source is not None]
         if sources:
-            waited = time.perf_counter()
-            board.wait(TOKENS, gate - min(back for back, _ in sources), timeout_s)
-            self._waited_s += time.perf_counter() - waited
+            self._wait_tokens(board, gate - min(back for back, _ in sources), timeout_s)
         slots: dict[int, np.ndarray] = {}  # numpy views: a tensor read per element is slow
         updates = []
         for request_id, tokens, source in commits:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from atom.structured_output.manager import StructuredOutputManager
+    from atom.structured_output.manager import GrammarState, StructuredOutputManager
 
 __all__ = ["GrammarRows", "RowJob", "fill_rows"]
 
@@ -40,7 +40,7 @@ def fill_rows(
     the states live."""
     errors: dict[int, str] = {}
     live: list[tuple[str, list[int]]] = []
-    live_ids: list[tuple[int, str]] = []
+    live_states: list[tuple[int, GrammarState]] = []
     logits_rows: list[int] = []
     for seq_id, request_id, drafts, first in jobs:
         state = manager.state(request_id) if manager is not None else None
@@ -50,14 +50,16 @@ def fill_rows(
             errors[seq_id] = state.error
         else:
             live.append((request_id, drafts))
-            live_ids.append((seq_id, request_id))
-            logits_rows += range(first, first + 1 + len(drafts))
+            live_states.append((seq_id, state))
+            if drafts:
+                logits_rows += range(first, first + 1 + len(drafts))
+            else:
+                logits_rows.append(first)
     if not live:
         return GrammarRows(0, [], errors)
     assert manager is not None
     manager.fill_masks(host_rows(len(logits_rows)), live)
-    for seq_id, request_id in live_ids:
-        error = manager.error(request_id)  # a matcher failure while masking: stop mask, error
-        if error is not None:
-            errors[seq_id] = error
+    for seq_id, state in live_states:
+        if state.error is not None:  # a matcher failure while masking: stop mask, error
+            errors[seq_id] = state.error
     return GrammarRows(len(logits_rows), logits_rows, errors)
