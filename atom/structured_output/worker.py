@@ -118,8 +118,11 @@ class StructuredOutputWorker:
         # Per gate in flight: the grammar processes it went to, each with its jobs and whether
         # the message reached it.
         self._gate_jobs: dict[int, list[tuple[int, list[RowJob], bool]]] = {}
-        # The last gate's sampling sequences and members (``repeat_gate``).
-        self._last_gate: tuple[list[Sequence], list[tuple[int, list[RowJob], bool]]] | None = None
+        # The last gate's sampling sequences, their ids and its members (``repeat_gate``).
+        self._last_gate: (
+            tuple[list[Sequence], list[int], list[tuple[int, list[RowJob], bool]]] | None
+        ) = None
+        self._repeated = 0  # gates that repeated the last one
         # CUDA, per (grammar process, area, rows): the views a gate's copy and kernel take.
         self._area_views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
         # Steps run one at a time on this thread; the lock keeps RPCs from touching grammar
@@ -181,7 +184,12 @@ class StructuredOutputWorker:
             live, cached = self.pool.counts()
         elif self.manager is not None:
             live, cached = self.manager.num_live_states, self.manager.num_cached_grammars
-        return {"live_grammar_states": live, "cached_grammars": cached}
+        return {
+            "live_grammar_states": live,
+            "cached_grammars": cached,
+            "gates": self._gate,
+            "repeated_gates": self._repeated,
+        }
 
     def shutdown(self) -> None:
         self._step_thread.shutdown(wait=True)
@@ -344,7 +352,7 @@ class StructuredOutputWorker:
                 continue
             members.append((child, jobs, True))
         self._gate_jobs[gate] = members
-        self._last_gate = seqs, members
+        self._last_gate = seqs, [s.seq_id for s in seqs], members
         return gate
 
     def repeats_last_gate(self, seqs: list[Sequence], num_placeholders: int) -> bool:
@@ -352,20 +360,24 @@ class StructuredOutputWorker:
         sampling sequences in the same rows, and each constrained one commits only its
         placeholder (``num_placeholders`` of them), which the last gate sampled. Then
         ``repeat_gate`` sends it, with no commits or jobs to build, split or compare."""
-        last = self._last_gate
-        return (
-            last is not None
-            and num_placeholders == sum(len(jobs) for _, jobs, _ in last[1])
-            and seqs == last[0]  # the same objects: compared by identity, in C
-        )
+        if self._last_gate is None:
+            return False
+        last_seqs, last_ids, members = self._last_gate
+        if num_placeholders != sum(len(jobs) for _, jobs, _ in members):
+            return False
+        # The same objects, compared by identity in C; a rank process rebuilds its sequences
+        # every step (``step_transport``), whose ids then say it.
+        return seqs == last_seqs or [s.seq_id for s in seqs] == last_ids
 
     def repeat_gate(self) -> int:
         """Send the last gate's work again as a new gate (``repeats_last_gate``): each grammar
         process commits the ids the last one sampled in its rows, then fills the same rows."""
         assert self._last_gate is not None
+        last_seqs, last_ids, last_members = self._last_gate
         self._gate += 1
+        self._repeated += 1
         gate, members = self._gate, []
-        for child, jobs, _ in self._last_gate[1]:
+        for child, jobs, _ in last_members:
             try:
                 self.pool.processes[child].send_repeat_gate(gate)
             except GrammarProcessError:
@@ -373,7 +385,7 @@ class StructuredOutputWorker:
                 continue
             members.append((child, jobs, True))
         self._gate_jobs[gate] = members
-        self._last_gate = self._last_gate[0], members
+        self._last_gate = last_seqs, last_ids, members
         return gate
 
     def gate_mask(self, gate: int, logits: torch.Tensor) -> None:

@@ -83,6 +83,8 @@ def test_greedy_parity_constrained(engines, admitted_spec, run_batch, assert_sam
             assert set(json.loads(text)) == {"name", "n"}
     per_rank = two.executor.structured_output_stats()  # released inline when they finished
     assert [s["live_grammar_states"] for s in per_rank] == [0, 0]
+    # A rank process rebuilds its sequences every step: its steady gates repeat all the same.
+    assert all(0 < s["repeated_gates"] < s["gates"] for s in per_rank)
 
 
 def test_a_rank_that_cannot_start_fails_the_engine_and_stops_the_others(tiny_llama_dir):
