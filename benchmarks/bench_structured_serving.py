@@ -671,6 +671,12 @@ def engine_info(engine: Any) -> dict:
     }
 
 
+def worker_stats(engine: Any) -> dict:
+    """The rank's structured-output counters (gates and repeated gates among them)."""
+    (runner,) = engine.executor.workers
+    return runner.structured_output.stats()
+
+
 def placement(engine: Any, timer: StepTimer) -> dict:
     """The cores the engine thread was seen on during the timed steps (core: samples), and
     those each grammar process may run on: batch 1's overhead went from 1.05 to 1.3 between
@@ -753,7 +759,7 @@ def print_checks(result: dict) -> None:
     where = result["placement"]
     print(
         f"engine thread seen on cores (core: samples) {where['engine_thread_cpus']}; "
-        f"grammar processes on {where['grammar_process_cpus']}"
+        f"grammar processes on {where['grammar_process_cpus']}; {result['gates']}"
     )
     print(f"`never` process imported structured output: {result['never_process_imported'] or 'no'}")
     print(
@@ -892,6 +898,13 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="llguidance executor threads (default: the engine's, one per core up to 16)",
     )
+    ap.add_argument(
+        "--repeat-gates",
+        choices=["on", "off"],
+        default="on",
+        help="off: every gate sends its commits and jobs (an A/A-style check of repeated gates "
+        "in the same checkout; this process's worker is patched, nothing in atom changes)",
+    )
     ap.add_argument("--tag", default="", help="suffix of the output files")
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes, 2 repeats")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -946,6 +959,9 @@ def bench(args: argparse.Namespace) -> None:
     never = NeverProcess(args)
     engine = make_engine(args)
     timer = StepTimer(engine, grammar=True)
+    if args.repeat_gates == "off":
+        (runner,) = engine.executor.workers
+        runner.structured_output.repeats_last_gate = lambda *_: False
     never.wait_ready()  # its load and warm-up end before this process compiles anything
     specs = admitted_specs(engine, schemas_of(args))
     prompts = {n: prompts_for(engine, n, args) for n in args.batch_sizes}
@@ -958,6 +974,7 @@ def bench(args: argparse.Namespace) -> None:
     state = {
         "engine": engine_info(engine),
         "placement": placement(engine, timer),
+        "gates": {k: v for k, v in worker_stats(engine).items() if "gates" in k},
         "structured_output_stats_after": engine.structured_output_stats(),
         "preemptions": {"parent": timer.scheduler.num_preemptions},
     }

@@ -72,6 +72,8 @@
 #                                          processes, batch 64 and 256; ~6 minutes)
 #   BASELINE=.baseline [ROUNDS=1] bash benchmarks/gpu_suite.sh commit_probe (a commit's llguidance
 #                                          calls in turn and in parallel; structured_ab; ~5 min)
+#   [ROUNDS=2 REPEATS=3] bash benchmarks/gpu_suite.sh repeat_ab (batch 1 and 16, repeated gates
+#                                          off and on, alternated; where the engine thread ran)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -420,10 +422,20 @@ commit_probe() {  # a commit's llguidance calls in turn or on the executor (7 co
         --threads 7 --out $out
     structured_ab
 }
+repeat_ab() {  # batch 1 and 16 with repeated gates off and on, alternated ROUNDS times (2),
+    # each run printing where the engine thread ran (bench_structured_serving's placement)
+    for round in $(seq ${ROUNDS:-2}); do
+        for repeat in off on; do
+            step structured_repeat_${repeat}_$round 90 python3 benchmarks/bench_structured_serving.py \
+                --random-llama-1b --device cuda --schema-kinds mostly-forbidden --batch-sizes 1 16 \
+                --repeats ${REPEATS:-3} --repeat-gates $repeat --tag repeat_${repeat}_$round --out $out
+        done
+    done
+}
 gpu_tests() {  # the GPU tests alone (288 s on a cold H200 at 75926ed: 40 tests)
     step pytest_gpu 380 python3 -m pytest -q -m gpu --durations=10 -o faulthandler_timeout=150 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-: "${1:?one or more of: commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+: "${1:?one or more of: repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 for mode in "$@"; do "$mode"; done
 tail -n 200 $out/summary.log
