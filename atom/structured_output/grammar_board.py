@@ -31,6 +31,8 @@ from collections.abc import Callable
 
 import torch
 
+from atom.structured_output.stream_flags import host_register, host_unregister
+
 __all__ = [
     "COPIED",
     "DONE",
@@ -109,8 +111,6 @@ class GrammarBoard:
         """Page-lock the mapping for ``device`` until ``unpin`` or until this board is
         collected: a copy from pageable memory would wait for the stream, and a stream can wait
         on and write only page-locked counters."""
-        from atom.structured_output.stream_flags import host_register
-
         host_register(device, self.raw.data_ptr(), self.nbytes)
         self._unpin = weakref.finalize(self, _unpin, device, self.raw.data_ptr())
 
@@ -180,7 +180,5 @@ class GrammarBoard:
 def _unpin(device: torch.device, address: int) -> None:
     """A board's page lock ends (its finalizer: the mapping is still there). At interpreter
     exit the driver may already be gone, and with it the lock."""
-    from atom.structured_output.stream_flags import host_unregister
-
     with contextlib.suppress(RuntimeError):
         host_unregister(device, address)

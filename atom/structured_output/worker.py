@@ -342,16 +342,8 @@ class StructuredOutputWorker:
         launched: the children fill while this thread does that. ``gate_mask`` then queues the
         masking of the step's logits behind their rows."""
         self._ensure_mask_buffers()
-        self._gate += 1
-        gate, members = self._gate, []
-        for child, (child_commits, jobs) in self._split(commits, self._jobs(seqs)):
-            try:
-                self.pool.processes[child].send_gate(gate, child_commits, jobs)
-            except GrammarProcessError:
-                members.append((child, jobs, False))  # gate_errors says why
-                continue
-            members.append((child, jobs, True))
-        self._gate_jobs[gate] = members
+        parts = [(child, c, jobs) for child, (c, jobs) in self._split(commits, self._jobs(seqs))]
+        gate, members = self._send(parts)
         self._last_gate = seqs, [s.seq_id for s in seqs], members
         return gate
 
@@ -374,19 +366,32 @@ class StructuredOutputWorker:
         process commits the ids the last one sampled in its rows, then fills the same rows."""
         assert self._last_gate is not None
         last_seqs, last_ids, last_members = self._last_gate
-        self._gate += 1
         self._repeated += 1
+        gate, members = self._send([(child, None, jobs) for child, jobs, _ in last_members])
+        self._last_gate = last_seqs, last_ids, members
+        return gate
+
+    def _send(
+        self, parts: list[tuple[int, list[GateCommit] | None, list[RowJob]]]
+    ) -> tuple[int, list[tuple[int, list[RowJob], bool]]]:
+        """A new gate to each ``(child, commits, jobs)`` of ``parts`` (commits None: the
+        child's last gate again); the gate and its members, each with whether it was sent (a
+        child that failed is reported by ``gate_errors``)."""
+        self._gate += 1
         gate, members = self._gate, []
-        for child, jobs, _ in last_members:
+        for child, commits, jobs in parts:
+            process = self.pool.processes[child]
             try:
-                self.pool.processes[child].send_repeat_gate(gate)
+                if commits is None:
+                    process.send_repeat_gate(gate)
+                else:
+                    process.send_gate(gate, commits, jobs)
             except GrammarProcessError:
-                members.append((child, jobs, False))  # gate_errors says why
+                members.append((child, jobs, False))
                 continue
             members.append((child, jobs, True))
         self._gate_jobs[gate] = members
-        self._last_gate = last_seqs, last_ids, members
-        return gate
+        return gate, members
 
     def gate_mask(self, gate: int, logits: torch.Tensor) -> None:
         """Queue the masking of ``logits`` with the rows of ``gate`` (``gate_send``).
