@@ -11,6 +11,10 @@ sampled ids here for the child to commit. Three 64-bit counters say how far each
 - ``COPIED``: the newest gate whose rows the stream has copied to the device, so the child may
   write that area again (gate ``n`` uses area ``n % 2``).
 
+Beside them, ``QUIET`` slots say which gates ended without errors: the child answers those
+with no message, and the rank reads their (empty) errors here instead of from the pipe
+(``mark_quiet``, ``quiet``): a steady batch costs the rank no pipe read per step.
+
 The counters only grow. The rank sets ``DONE`` to ``RELEASED`` when the child fails or the rank
 shuts down, so a stream never waits for a child that is gone; a gate released that way finds
 an area stamped with another gate (``row_index``), whose rows then mask nothing. The mapping is
@@ -36,6 +40,7 @@ from atom.structured_output.stream_flags import host_register, host_unregister
 __all__ = [
     "COPIED",
     "DONE",
+    "QUIET",
     "RELEASED",
     "TOKENS",
     "GrammarBoard",
@@ -46,7 +51,11 @@ __all__ = [
 TOKENS, DONE, COPIED = 0, 1, 2
 RELEASED = 1 << 62  # past every gate: a stream waiting on DONE goes on
 RING_SLOTS = 4  # gates whose sampled ids the ring keeps; a step reads only the previous gate's
-_FLAG_BYTES = 64
+# The first of RING_SLOTS counters after COPIED: slot ``gate % RING_SLOTS`` holds the newest
+# gate of that slot that ended without errors (the rank reads a gate's errors before the child
+# is two gates further, so a slot is never overwritten while its gate is unread).
+QUIET = 3
+_FLAG_BYTES = 64  # the counters: TOKENS, DONE, COPIED, then the QUIET slots
 _SPIN_S = 0.002  # a host wait spins (yielding) this long before it sleeps between looks
 
 
@@ -152,6 +161,18 @@ class GrammarBoard:
         """Raise a counter from the host (never lowers it)."""
         if int(self._flags[flag]) < value:
             self._flags[flag] = value
+
+    def mark_quiet(self, gate: int) -> None:
+        """The child: ``gate`` ended without errors and gets no answer; before ``DONE``."""
+        self._flags[QUIET + gate % RING_SLOTS] = gate
+
+    def quiet(self, gate: int) -> bool:
+        """Whether ``gate`` (done: ``DONE`` reached it) ended without errors, so that no answer
+        follows it on the pipe."""
+        marked = int(self._flags[QUIET + gate % RING_SLOTS])
+        if marked > gate:
+            raise RuntimeError(f"gate {gate}'s quiet slot was taken by gate {marked} unread")
+        return marked == gate
 
     def wait(
         self,

@@ -12,11 +12,12 @@ Without speculative decoding a constrained step is a gate: the rank sends the ch
 commits and rows (``send_gate``) and queues on its stream a wait for the child's rows, their
 copy, the mask and the sampling, without waiting for anything; the stream publishes the sampled
 ids on the board, where the child reads them for the next gate. The rank reads a gate's errors
-(``answer_of``) when it reads that step's output. With speculative decoding a step still waits
-for the child's answer (``step``) before it samples.
+(``answer_of``) when it reads that step's output: from the pipe, or from the board when the gate
+had none (the child marks it quiet and sends nothing). With speculative decoding a step still
+waits for the child's answer (``step``) before it samples.
 
 The child never touches CUDA. It runs one message at a time, in order, and answers calls and
-gates (``cast`` gets no answer). A call that finds the child gone or silent for ``timeout_s``
+gates with errors (``cast`` gets no answer). A call that finds the child gone or silent for ``timeout_s``
 raises ``GrammarProcessError`` (the worker fails its constrained requests and refuses new ones),
 and the board's ``DONE`` counter is released so that no stream waits for the child any more; a
 watcher thread releases it as soon as the child exits, whatever the rank's threads are doing.
@@ -48,6 +49,7 @@ from atom.structured_output.grammar_board import (
     RELEASED,
     TOKENS,
     GrammarBoard,
+    GrammarBoardTimeout,
     stamp_of,
 )
 
@@ -178,7 +180,7 @@ class GrammarProcess:
             while ticket not in self._answers:
                 if ticket not in self._in_flight:  # a few messages at most
                     raise GrammarProcessError(f"structured output: {ticket} was never sent")
-                if not wait and not self._conn.poll(0):
+                if not wait and not self._answer_ready():
                     return None
                 self._collect_one()
             answer = self._answers.pop(ticket)
@@ -195,15 +197,41 @@ class GrammarProcess:
             raise self._dead("structured output: the grammar process exited") from e
 
     def _collect_one(self) -> None:
-        """Read the answer of the oldest message in flight."""
+        """Read the answer of the oldest message in flight (a gate that ended without errors
+        has none: its empty errors are on the board)."""
         ticket = self._in_flight[0]
         try:
-            self._answers[ticket] = self._answer("an earlier message")
+            if ticket[0] == "gate" and self._quiet(ticket[1]):
+                self._answers[ticket] = {}
+            else:
+                self._answers[ticket] = self._answer("an earlier message")
         except GrammarProcessError as e:  # a failed message fails its requests, not the call
             if self.dead_reason is not None:
                 raise
             self._answers[ticket] = e
         self._in_flight.popleft()
+
+    def _quiet(self, gate: int) -> bool:
+        """Once the child finished ``gate``: whether it ended without errors (no answer
+        follows). A child silent for ``timeout_s`` is killed, as when it does not answer."""
+        try:
+            self.board.wait(DONE, gate, self._timeout_s, self._process.is_alive)
+        except GrammarBoardTimeout:
+            if not self._process.is_alive():
+                return False  # the pipe's end tells it
+            self._process.kill()
+            raise self._dead(
+                f"structured output: the grammar process did not finish gate {gate} in "
+                f"{self._timeout_s:g} s"
+            ) from None
+        return self.board.quiet(gate)
+
+    def _answer_ready(self) -> bool:
+        """Whether the oldest message in flight can be collected without waiting."""
+        ticket = self._in_flight[0]
+        if ticket[0] == "gate" and self.board.get(DONE) >= ticket[1]:
+            return True  # quiet, or its answer is being sent now
+        return self._conn.poll(0)
 
     def _dead(self, reason: str) -> GrammarProcessError:
         """The child is gone: every later call fails at once, and no stream waits for it (the
@@ -366,9 +394,13 @@ class _Grammars:
         assert board is not None, "map_board first"
         start = time.perf_counter()
         self._last_gate = gate, jobs
+        errors = None
         try:
-            return self._gate_rows(board, gate, updates(board), jobs, timeout_s)
+            errors = self._gate_rows(board, gate, updates(board), jobs, timeout_s)
+            return errors
         finally:
+            if errors == {}:
+                board.mark_quiet(gate)  # no answer follows (``answers``)
             board.set(DONE, gate)
             self._gates += 1
             self._gate_s += time.perf_counter() - start
@@ -395,6 +427,12 @@ class _Grammars:
         index[: n + len(unmasked)] = filled.logits_rows + unmasked
         index[-1] = stamp_of(gate)  # last: the area holds this gate's rows
         return filled.errors
+
+    @staticmethod
+    def answers(method: str, result: tuple[bool, Any]) -> bool:
+        """Whether ``method``'s ``result`` goes back on the pipe: a gate that ended without
+        errors is marked quiet on the board instead (``GrammarBoard.quiet``)."""
+        return not (method in ("gate", "repeat_gate") and result == (True, {}))
 
     def gate_timing(self) -> tuple[int, float, float, float, float]:
         """Gates done, seconds in them, and of those seconds: waiting for the stream (sampled
@@ -472,6 +510,6 @@ def _serve(
             result = (True, getattr(grammars, method)(*args))
         except Exception as e:  # noqa: BLE001 - one failed call; the rank decides what fails
             result = (False, f"structured output: {method} failed: {e!r}")
-        if answer:
+        if answer and grammars.answers(method, result):
             conn.send(result)
     grammars.manager.shutdown()

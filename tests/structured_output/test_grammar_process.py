@@ -347,6 +347,41 @@ def test_a_repeated_gate_sends_no_commits_or_jobs(smollm2_dir, monkeypatch):
         process.shutdown()
 
 
+def test_a_gate_without_errors_answers_on_the_board(smollm2_dir, monkeypatch):
+    """A gate that ends without errors sends no answer (a steady batch costs the rank no pipe
+    read per step): the child marks it quiet on the board, and the rank reads its empty errors
+    there; a gate with errors still answers on the pipe, in order between them."""
+    from atom.model_engine.tokenizer import load_tokenizer
+    from atom.structured_output.backend_guidance import tokenizer_fingerprint
+    from atom.structured_output.grammar_board import COPIED
+    from atom.structured_output.grammar_process import GrammarProcess
+
+    options = {"vocab_size": 49152, "stop_token_ids": [2], "threads": 1, "whitespace": "space"}
+    process = GrammarProcess(str(smollm2_dir), options, timeout_s=30)
+    try:
+        board = process.map_board(4, 49152 // 32, torch.device("cpu"))
+        fingerprint = tokenizer_fingerprint(load_tokenizer(str(smollm2_dir)), [2], 49152)
+        assert process.call("admit", _spec(), fingerprint, 49152, 30.0).status == "ready"
+        assert process.call("prepare", [("r1", _spec())])["r1"].status == "ready"
+        board.set(COPIED, 3)
+        received = []
+        conn_recv = process._conn.recv
+        monkeypatch.setattr(
+            process._conn, "recv", lambda: received.append(conn_recv()) or received[-1]
+        )
+        process.send_gate(1, [], [(1, "r1", [], 0)])
+        process.send_gate(2, [], [(7, "r7", [], 0)])  # a request with no state here: an error
+        process.send_gate(3, [], [(1, "r1", [], 1)])
+        answers = [process.answer_of(("gate", gate)) for gate in (1, 2, 3)]
+        assert answers[0] == {} and answers[2] == {}
+        assert list(answers[1]) == [7] and "no grammar state" in answers[1][7]
+        assert received == [(True, answers[1])]  # one message: gate 2's
+        assert [board.quiet(gate) for gate in (1, 2, 3)] == [True, False, True]
+        assert int(board.row_index(3)[0]) == 1 and int(board.row_index(3)[-1]) == 3
+    finally:
+        process.shutdown()
+
+
 def test_a_child_that_exits_releases_its_board_at_once(smollm2_dir):
     """No stream waits on a dead child until a rank thread next talks to it (that thread may
     itself be waiting for the stream): its exit alone releases ``DONE``."""
