@@ -61,10 +61,13 @@ with min and max:
 The engine thread's structured-output hooks are also timed inside each step of the parent
 process (the rank's `StructuredOutputWorker.start_step`, which hands a step's commit, mask fill
 and mask of the logits to the grammar thread, and `finish_step`, which waits for that work; with
-a grammar process, `gate_send`, `gate_mask`, `publish` and `gate_errors`: send a step to the
-children, queue its mask, put its sampled ids on the board, read its errors; wrapped on the instance): their time per window step, as a share of the plain TPOT, is the part
-of the overhead the engine thread spends on grammar work, measured without the run-to-run noise
-of a shared machine. Grammar-thread work that overlaps the engine thread's is not in it.
+a grammar process, `gate_send` (`repeat_gate` for a steady batch; not counted before
+2026-12-04), `gate_mask`, `publish` and `gate_errors`: send a step to the children, queue its
+mask, put its sampled ids on the board, read its errors; wrapped on the instance): their time
+per window step, as a share of the plain TPOT, is the part of the overhead the engine thread
+spends on grammar work, measured without the run-to-run noise of a shared machine, and for the
+constrained setting hook by hook (`grammar_hooks_ms_by_hook`). Grammar-thread work that
+overlaps the engine thread's is not in it.
 
 Checks (asserted; the run fails otherwise, after writing its results): greedy unconstrained
 token ids equal across `never`, `plain`, `plain2` and the unconstrained half of `mixed` in every
@@ -265,6 +268,7 @@ class StepTimer:
         self.last: tuple[int, bool] | None = None
         self.previous: tuple[int, bool] | None = None
         self.grammar_s = 0.0
+        self.by_hook: Counter[str] = Counter()  # the same seconds by hook
         self.cpus: Counter[int] = Counter()  # where this thread ran (``sample_cpu``)
         schedule = self.scheduler.schedule
 
@@ -283,12 +287,13 @@ class StepTimer:
                 "finish_step",
                 "gate_step",  # before gate_send and gate_mask (a baseline checkout)
                 "gate_send",
+                "repeat_gate",  # a steady batch's gate_send
                 "gate_mask",
                 "publish",
                 "gate_errors",
             ):
                 if hasattr(worker, name):  # a baseline checkout may predate some of them
-                    setattr(worker, name, self._timed(getattr(worker, name)))
+                    setattr(worker, name, self._timed(name, getattr(worker, name)))
 
     def sample_cpu(self) -> None:
         """Count the core this thread runs on now (Linux: ``/proc/thread-self/stat``'s 39th
@@ -302,13 +307,15 @@ class StepTimer:
         """Did this step schedule, and read the output of, n-sequence decode-only batches?"""
         return self.last == self.previous == (n, True)
 
-    def _timed(self, fn: Callable) -> Callable:
+    def _timed(self, name: str, fn: Callable) -> Callable:
         def timed(*a, **kw):
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
-                self.grammar_s += time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
+                self.grammar_s += seconds
+                self.by_hook[name] += seconds
 
         return timed
 
@@ -341,16 +348,19 @@ def run(engine: Any, timer: StepTimer, prompts: list[list[int]], specs: list, ar
     finals: dict[str, Any] = {}
     steps: list[float] = []
     grammar: list[float] = []  # ms of each of those steps spent in the runner's grammar hooks
+    by_hook: list[dict[str, float]] = []  # the same by hook
     full = True  # no request has finished yet
     timer.last = timer.previous = None
     while engine.has_unfinished_requests():
         timer.grammar_s = 0.0
+        timer.by_hook.clear()
         t0 = time.perf_counter()
         outs = engine.step()
         dt = time.perf_counter() - t0
         if full and timer.full_decode(n):
             steps.append(1000 * dt)
             grammar.append(1000 * timer.grammar_s)
+            by_hook.append({k: 1000 * v for k, v in timer.by_hook.items()})
             if len(steps) % 8 == 1:
                 timer.sample_cpu()
         for o in outs:
@@ -361,6 +371,7 @@ def run(engine: Any, timer: StepTimer, prompts: list[list[int]], specs: list, ar
     return {
         "steps_ms": steps,
         "grammar_ms": grammar,
+        "grammar_ms_by_hook": by_hook,
         "token_ids": [list(o.output_token_ids) for o in outputs],
         "texts": [o.text for o in outputs],
         "finish": [o.finish_reason for o in outputs],
@@ -591,6 +602,7 @@ def window_stats(raw: dict[str, list[dict]], label: str, failures: list[str]) ->
     tpot: dict[str, list[float]] = {k: [] for k in SETTINGS}
     step_median: dict[str, list[float]] = {k: [] for k in SETTINGS}
     hooks: dict[str, list[float]] = {k: [] for k in SETTINGS if k != "never"}
+    by_hook: dict[str, list[float]] = {}  # constrained, ms per window step, per repeat
     windows = []
     for rep in range(len(raw["never"])):
         k = min(len(raw[name][rep]["steps_ms"]) for name in SETTINGS)
@@ -603,6 +615,9 @@ def window_stats(raw: dict[str, list[dict]], label: str, failures: list[str]) ->
             step_median[name].append(statistics.median(window))
             if name != "never":
                 hooks[name].append(statistics.fmean(raw[name][rep]["grammar_ms"][:k] or [0.0]))
+        steps = raw["constrained"][rep].get("grammar_ms_by_hook", [])[:k]
+        for hook in sorted({h for step in steps for h in step}):
+            by_hook.setdefault(hook, []).append(sum(s.get(hook, 0.0) for s in steps) / k)
     ratio_runs = ratios_of(tpot)
     return {
         "window_steps": windows,
@@ -612,6 +627,8 @@ def window_stats(raw: dict[str, list[dict]], label: str, failures: list[str]) ->
         "ratio_runs": ratio_runs,
         # ms per window step in the engine thread's grammar hooks (start_step + finish_step)
         "grammar_hooks_ms": {k: spread(v) for k, v in hooks.items()},
+        # the constrained setting's hooks one by one (which of them the time is)
+        "grammar_hooks_ms_by_hook": {k: spread(v) for k, v in by_hook.items()},
         # the same as a share of the plain TPOT of the repeat: the overhead the hooks account
         # for, measured inside the step (insensitive to machine noise between runs)
         "grammar_hooks_share": {
@@ -754,7 +771,10 @@ def print_checks(result: dict) -> None:
             "(ms, median): "
             + ", ".join(f"{k} {v['median']:.2f}" for k, v in h.items())
             + f" = {100 * share['constrained']['median']:.1f}% (constrained), "
-            f"{100 * share['mixed']['median']:.1f}% (mixed) of plain TPOT"
+            f"{100 * share['mixed']['median']:.1f}% (mixed) of plain TPOT\n  constrained by hook: "
+            + ", ".join(
+                f"{k} {v['median']:.3f}" for k, v in row.get("grammar_hooks_ms_by_hook", {}).items()
+            )
         )
     where = result["placement"]
     print(

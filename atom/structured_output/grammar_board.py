@@ -13,7 +13,10 @@ sampled ids here for the child to commit. Three 64-bit counters say how far each
 
 Beside them, ``QUIET`` slots say which gates ended without errors: the child answers those
 with no message, and the rank reads their (empty) errors here instead of from the pipe
-(``mark_quiet``, ``quiet``): a steady batch costs the rank no pipe read per step.
+(``mark_quiet``, ``quiet``). And the rank posts a repeated gate (a batch that keeps decoding)
+here instead of on the pipe (``post_repeat``, ``next_repeat``), with the number of pipe
+messages sent before it, so that the child takes both in the order they were sent. A steady
+batch thus costs the rank no pipe message either way.
 
 The counters only grow. The rank sets ``DONE`` to ``RELEASED`` when the child fails or the rank
 shuts down, so a stream never waits for a child that is gone; a gate released that way finds
@@ -55,7 +58,11 @@ RING_SLOTS = 4  # gates whose sampled ids the ring keeps; a step reads only the 
 # gate of that slot that ended without errors (the rank reads a gate's errors before the child
 # is two gates further, so a slot is never overwritten while its gate is unread).
 QUIET = 3
-_FLAG_BYTES = 64  # the counters: TOKENS, DONE, COPIED, then the QUIET slots
+# Repeated gates posted (a count), then taken by the child (a count), then RING_SLOTS slots of
+# (gate, pipe messages sent before it), slot ``count % RING_SLOTS``.
+POSTED, TAKEN, REPEATS = 7, 8, 9
+_ALIGN = 64  # each section starts on a cache line
+_FLAG_BYTES = -(-8 * (REPEATS + 2 * RING_SLOTS) // _ALIGN) * _ALIGN  # the counters
 _SPIN_S = 0.002  # a host wait spins (yielding) this long before it sleeps between looks
 
 
@@ -70,7 +77,7 @@ class GrammarBoardTimeout(TimeoutError):
 
 
 def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _FLAG_BYTES) * _FLAG_BYTES
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def _layout(max_rows: int, num_words: int) -> tuple[int, int, int]:
@@ -173,6 +180,31 @@ class GrammarBoard:
         if marked > gate:
             raise RuntimeError(f"gate {gate}'s quiet slot was taken by gate {marked} unread")
         return marked == gate
+
+    def post_repeat(self, gate: int, after: int) -> bool:
+        """The rank: post ``gate``, a repeat of the last gate, for the child to take once it
+        read ``after`` pipe messages; False (nothing posted) while all slots wait for it."""
+        flags = self._flags
+        posted = int(flags[POSTED])
+        if posted - int(flags[TAKEN]) >= RING_SLOTS:
+            return False
+        slot = REPEATS + 2 * (posted % RING_SLOTS)
+        flags[slot], flags[slot + 1] = gate, after
+        flags[POSTED] = posted + 1  # last: the slot is written
+        return True
+
+    def next_repeat(self) -> tuple[int, int] | None:
+        """The child: the oldest posted repeat not taken, as ``(gate, after)``, or None."""
+        flags = self._flags
+        taken = int(flags[TAKEN])
+        if int(flags[POSTED]) <= taken:
+            return None
+        slot = REPEATS + 2 * (taken % RING_SLOTS)
+        return int(flags[slot]), int(flags[slot + 1])
+
+    def take_repeat(self) -> None:
+        """The child: the oldest posted repeat is taken; its slot may be posted again."""
+        self._flags[TAKEN] += 1
 
     def wait(
         self,

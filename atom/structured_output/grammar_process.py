@@ -61,6 +61,13 @@ logger = logging.getLogger(__name__)
 # A message sent without waiting for its answer: ("gate", gate number) or ("call", count).
 Ticket = tuple[str, int]
 
+# A repeated gate is posted on the board (``GrammarBoard.post_repeat``) instead of the pipe only
+# within POST_S of the rank's last gate to the child; the child looks at the board until IDLE_S
+# after its last gate, every POLL_S, and then blocks on the pipe. Each side reads its own
+# clock after the other's (the rank sends a gate before the child ends it), so no repeat is
+# posted to a child that no longer looks.
+POST_S, IDLE_S, POLL_S = 0.5, 1.0, 1e-4
+
 
 class GrammarProcessError(RuntimeError):
     """The grammar process failed a call, exited or stopped answering."""
@@ -111,6 +118,8 @@ class GrammarProcess:
         self._in_flight: deque[Ticket] = deque()
         self._answers: dict[Ticket, Any] = {}
         self._sent = 0  # calls sent without waiting so far
+        self._messages = 0  # messages sent on the pipe (a posted repeat follows that many)
+        self._last_gate_at = -float("inf")  # when the last gate was sent or posted
         self.dead_reason: str | None = None  # set when the child exited or stopped answering
         if wait:
             self.wait_started()
@@ -158,12 +167,21 @@ class GrammarProcess:
     def send_repeat_gate(self, gate: int) -> Ticket:
         """Queue the last gate's work again as ``gate`` (``_Grammars.repeat_gate``): a batch
         that keeps decoding sends no commits or jobs (pickling them took 30 µs at 64 rows and
-        150 µs at 256 on the H200's host)."""
+        150 µs at 256 on the H200's host), and while the child still looks at the board
+        (``POST_S``) no message at all: the repeat is posted there."""
         return self._queue_gate(gate, "repeat_gate", (gate, self._timeout_s))
 
     def _queue_gate(self, gate: int, method: str, args: tuple) -> Ticket:
         with self._lock:
-            self._send(method, args, True)
+            now = time.monotonic()
+            if not (
+                method == "repeat_gate"
+                and self.dead_reason is None
+                and now - self._last_gate_at < POST_S
+                and self.board.post_repeat(gate, self._messages)
+            ):
+                self._send(method, args, True)
+            self._last_gate_at = now
             self._in_flight.append(("gate", gate))
             return self._in_flight[-1]
 
@@ -195,6 +213,7 @@ class GrammarProcess:
             self._conn.send((method, args, answer))
         except (OSError, EOFError) as e:
             raise self._dead("structured output: the grammar process exited") from e
+        self._messages += 1
 
     def _collect_one(self) -> None:
         """Read the answer of the oldest message in flight (a gate that ended without errors
@@ -319,6 +338,9 @@ class _Grammars:
         # until the stream copied them (a rank with several grammar processes sends each only
         # the gates with its requests in them, so that is not always two gates back).
         self._area_gate = [0, 0]
+        # When the last gate ended (``_Inbox`` looks at the board until IDLE_S after it), and
+        # its timeout (a repeat posted on the board takes it).
+        self.idle_from, self.timeout_s = -float("inf"), 0.0
 
     def admit(self, spec: Any, api_fingerprint: str, vocab_size: int, wait_s: float) -> Any:
         return self.manager.admit(spec, api_fingerprint, vocab_size, wait_s)
@@ -393,7 +415,7 @@ class _Grammars:
         board = self.board
         assert board is not None, "map_board first"
         start = time.perf_counter()
-        self._last_gate = gate, jobs
+        self._last_gate, self.timeout_s = (gate, jobs), timeout_s
         errors = None
         try:
             errors = self._gate_rows(board, gate, updates(board), jobs, timeout_s)
@@ -404,6 +426,7 @@ class _Grammars:
             board.set(DONE, gate)
             self._gates += 1
             self._gate_s += time.perf_counter() - start
+            self.idle_from = time.monotonic()
 
     def _gate_rows(
         self, board: GrammarBoard, gate: int, updates: list, jobs: list, timeout_s: float
@@ -489,6 +512,36 @@ def _pin(manager_options: dict, cores: list[int] | None) -> dict:
     return {**manager_options, "threads": min(manager_options["threads"], len(cores))}
 
 
+class _Inbox:
+    """The child's messages in the order the rank sent them: the pipe's, and the repeated gates
+    the rank posted on the board (``GrammarProcess.send_repeat_gate``), each after the pipe
+    messages sent before it."""
+
+    def __init__(self, conn: Connection, grammars: _Grammars) -> None:
+        self.conn, self.grammars = conn, grammars
+        self.received = 0  # pipe messages read
+
+    def next(self) -> tuple[str, tuple, bool]:
+        """The next message: a posted repeat once every pipe message sent before it was read,
+        else the pipe's next one. Until ``IDLE_S`` after the last gate this looks at both every
+        ``POLL_S``; then it blocks on the pipe (the rank no longer posts)."""
+        grammars = self.grammars
+        board = grammars.board
+        while board is not None:
+            # The pipe first: a repeat posted before the message found there is seen below.
+            ready = self.conn.poll(0)
+            posted = board.next_repeat()
+            if posted is not None and posted[1] == self.received:
+                board.take_repeat()
+                return "repeat_gate", (posted[0], grammars.timeout_s), True
+            if ready or posted is not None or time.monotonic() > grammars.idle_from + IDLE_S:
+                break  # a pipe message is next, or nothing more will be posted
+            self.conn.poll(POLL_S)  # a moment, or until a message comes
+        message = self.conn.recv()
+        self.received += 1
+        return message
+
+
 def _serve(
     conn: Connection, tokenizer: str, manager_options: dict, cores: list[int] | None
 ) -> None:
@@ -501,9 +554,10 @@ def _serve(
         return
     freeze_startup_heap()  # the tokenizer's and llguidance's objects, scanned by no collection
     conn.send((True, None))
+    inbox = _Inbox(conn, grammars)
     while True:
         try:
-            method, args, answer = conn.recv()
+            method, args, answer = inbox.next()
         except (EOFError, OSError):
             break
         try:

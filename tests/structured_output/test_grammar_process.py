@@ -316,33 +316,73 @@ def test_a_failed_gate_raises_done_and_keeps_another_stamp(smollm2_dir):
         grammars.manager.shutdown()
 
 
-def test_a_repeated_gate_sends_no_commits_or_jobs(smollm2_dir, monkeypatch):
+def test_a_repeated_gate_is_posted_on_the_board(smollm2_dir, monkeypatch):
     """A gate that repeats the last one (a batch that keeps decoding) sends neither commits nor
-    jobs; the child answers it from the jobs it kept."""
-    from atom.structured_output.grammar_board import COPIED, TOKENS
+    jobs: the child answers it from the jobs it kept. Soon after a gate it is posted on the
+    board, with no message; later (the child may be blocked on the pipe) it is a message."""
+    from atom.structured_output import grammar_process
+    from atom.structured_output.grammar_board import COPIED, POSTED, TAKEN, TOKENS
     from atom.structured_output.grammar_process import GrammarProcess
 
     options = {"vocab_size": 49152, "stop_token_ids": [2], "threads": 1, "whitespace": "space"}
     process = GrammarProcess(str(smollm2_dir), options, timeout_s=30)
     try:
         board = process.map_board(4, 49152 // 32, torch.device("cpu"))
-        board.set(COPIED, 3)
-        board.set(TOKENS, 3)  # gate 2 commits the id gate 1 sampled: published, as by a stream
+        board.set(COPIED, 4)
+        board.set(TOKENS, 4)  # each repeat commits the id its last gate sampled: published
         sent = []
         conn_send = process._conn.send
         monkeypatch.setattr(process._conn, "send", lambda m: sent.append(m) or conn_send(m))
         process.send_gate(1, [], [(7, "r7", [], 0)])  # a job of a request with no state here
         process.send_repeat_gate(2)
         process.send_gate(3, [], [(8, "r8", [], 0)])
-        answers = [process.answer_of(("gate", gate)) for gate in (1, 2, 3)]
-        assert [list(a) for a in answers] == [[7], [7], [8]]
+        monkeypatch.setattr(grammar_process, "POST_S", 0.0)
+        process.send_repeat_gate(4)
+        answers = [process.answer_of(("gate", gate)) for gate in (1, 2, 3, 4)]
+        assert [list(a) for a in answers] == [[7], [7], [8], [8]]
         assert "no grammar state" in answers[1][7]
         assert [(method, args[0]) for method, args, _ in sent] == [
             ("gate", 1),
-            ("repeat_gate", 2),
             ("gate", 3),
+            ("repeat_gate", 4),
         ]
-        assert len(sent[1][1]) == 2  # the gate and the timeout
+        assert len(sent[2][1]) == 2  # the gate and the timeout
+        assert board.get(POSTED) == board.get(TAKEN) == 1
+    finally:
+        process.shutdown()
+
+
+def test_a_posted_repeat_comes_after_the_messages_sent_before_it(smollm2_dir):
+    """The child takes a repeat posted on the board only after every pipe message sent before
+    it, and before any sent after it: a release sent between a gate and its repeat fails the
+    repeat's row, a release sent after the repeat does not."""
+    from atom.model_engine.tokenizer import load_tokenizer
+    from atom.structured_output.backend_guidance import tokenizer_fingerprint
+    from atom.structured_output.grammar_board import COPIED, POSTED, TAKEN, TOKENS
+    from atom.structured_output.grammar_process import GrammarProcess
+
+    options = {"vocab_size": 49152, "stop_token_ids": [2], "threads": 1, "whitespace": "space"}
+    process = GrammarProcess(str(smollm2_dir), options, timeout_s=30)
+    try:
+        board = process.map_board(4, 49152 // 32, torch.device("cpu"))
+        tokenizer = load_tokenizer(str(smollm2_dir))
+        fingerprint = tokenizer_fingerprint(tokenizer, [2], 49152)
+        assert process.call("admit", _spec(), fingerprint, 49152, 30.0).status == "ready"
+        assert process.call("prepare", [("a", _spec()), ("b", _spec())])["a"].status == "ready"
+        board.set(COPIED, 4)
+        (brace,) = tokenizer.encode("{", add_special_tokens=False)
+        board.ring[:] = brace  # what each gate sampled: the answer's first token
+        board.set(TOKENS, 4)
+        process.send_gate(1, [], [(1, "a", [], 0)])
+        process.cast("release", ["a"])
+        process.send_repeat_gate(2)  # after the release: row "a" has no state
+        process.send_gate(3, [], [(2, "b", [], 0)])
+        process.send_repeat_gate(4)
+        process.cast("release", ["b"])  # after the repeat: row "b" still had its state
+        answers = [process.answer_of(("gate", gate)) for gate in (1, 2, 3, 4)]
+        assert board.get(POSTED) == board.get(TAKEN) == 2
+        assert answers[0] == answers[2] == answers[3] == {}
+        assert list(answers[1]) == [1] and "no grammar state" in answers[1][1]
     finally:
         process.shutdown()
 
