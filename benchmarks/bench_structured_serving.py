@@ -925,6 +925,18 @@ def parse_args() -> argparse.Namespace:
         help="off: every gate sends its commits and jobs (an A/A-style check of repeated gates "
         "in the same checkout; this process's worker is patched, nothing in atom changes)",
     )
+    ap.add_argument(
+        "--share-from",
+        type=int,
+        default=None,
+        help="live requests the first grammar process takes before the others get new ones "
+        "(default: structured_output.grammar_pool.SHARE_FROM)",
+    )
+    ap.add_argument(
+        "--pin-engine-thread",
+        action="store_true",
+        help="keep the engine thread on the core the grammar processes leave free (the last)",
+    )
     ap.add_argument("--tag", default="", help="suffix of the output files")
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes, 2 repeats")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -976,6 +988,10 @@ def bench(args: argparse.Namespace) -> None:
     load_start = round(os.getloadavg()[0], 2)
     if load_start > 0.5:
         print(f"warning: 1-minute load average {load_start}: the machine is busy", flush=True)
+    if args.share_from is not None:
+        from atom.structured_output import grammar_pool
+
+        grammar_pool.SHARE_FROM = args.share_from
     never = NeverProcess(args)
     engine = make_engine(args)
     timer = StepTimer(engine, grammar=True)
@@ -984,6 +1000,11 @@ def bench(args: argparse.Namespace) -> None:
         runner.structured_output.repeats_last_gate = lambda *_: False
     never.wait_ready()  # its load and warm-up end before this process compiles anything
     specs = admitted_specs(engine, schemas_of(args))
+    if args.pin_engine_thread:
+        # Only this thread (Linux affinity is per thread; threads it starts later inherit it),
+        # once admission started the grammar processes: ``split_cores`` reads the affinity of
+        # the thread that starts them.
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
     prompts = {n: prompts_for(engine, n, args) for n in args.batch_sizes}
     rows = {(k, n): setting_specs(spec, n) for k, spec in specs.items() for n in args.batch_sizes}
     for n in args.batch_sizes:  # warm up: bind, mask buffers, the plain path

@@ -74,6 +74,9 @@
 #                                          calls in turn and in parallel; structured_ab; ~5 min)
 #   [ROUNDS=2 REPEATS=3] bash benchmarks/gpu_suite.sh repeat_ab (batch 1 and 16, repeated gates
 #                                          off and on, alternated; where the engine thread ran)
+#   bash benchmarks/gpu_suite.sh placement_probe (batch 1 and 16 with the engine thread pinned
+#                                          and not; batch 64 over one grammar process and two;
+#                                          ~8 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -432,10 +435,30 @@ repeat_ab() {  # batch 1 and 16 with repeated gates off and on, alternated ROUND
         done
     done
 }
+placement_probe() {  # batch 1 and 16 with the engine thread pinned to the core the grammar
+    # processes leave free and not, alternated twice; then batch 64 in one grammar process
+    # (share from 64, the default) and over two (share from 32)
+    for round in 1 2; do
+        for pin in off on; do
+            step structured_pin_${pin}_$round 90 python3 benchmarks/bench_structured_serving.py \
+                --random-llama-1b --device cuda --schema-kinds mostly-forbidden --batch-sizes 1 16 \
+                --repeats 3 $([[ $pin == on ]] && echo --pin-engine-thread) \
+                --tag pin_${pin}_$round --out $out
+        done
+    done
+    for round in 1 2; do
+        for share in 64 32; do
+            step structured_share_${share}_$round 90 python3 \
+                benchmarks/bench_structured_serving.py --random-llama-1b --device cuda \
+                --schema-kinds mostly-forbidden --batch-sizes 64 --repeats 2 \
+                --share-from $share --tag share_${share}_$round --out $out
+        done
+    done
+}
 gpu_tests() {  # the GPU tests alone (288 s on a cold H200 at 75926ed: 40 tests)
     step pytest_gpu 380 python3 -m pytest -q -m gpu --durations=10 -o faulthandler_timeout=150 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-: "${1:?one or more of: repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+: "${1:?one or more of: placement_probe, repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 for mode in "$@"; do "$mode"; done
 tail -n 200 $out/summary.log
