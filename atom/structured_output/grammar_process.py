@@ -531,7 +531,9 @@ class _Inbox:
             # The pipe first: a repeat posted before the message found there is seen below.
             ready = self.conn.poll(0)
             posted = board.next_repeat()
-            if posted is not None and posted[1] == self.received:
+            if posted is not None and posted[1] <= self.received:
+                if posted[1] < self.received:  # never: the rank posts only to a child that looks
+                    raise RuntimeError(f"gate {posted[0]} was posted before messages read first")
                 board.take_repeat()
                 return "repeat_gate", (posted[0], grammars.timeout_s), True
             if ready or posted is not None or time.monotonic() > grammars.idle_from + IDLE_S:
