@@ -77,6 +77,8 @@
 #   bash benchmarks/gpu_suite.sh placement_probe (batch 1 and 16 with the engine thread pinned
 #                                          and not; batch 64 over one grammar process and two;
 #                                          ~8 minutes)
+#   bash benchmarks/gpu_suite.sh children_probe (batch 256 over 2 grammar processes and over 3,
+#                                          alternated twice; ~6 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -455,10 +457,22 @@ placement_probe() {  # batch 1 and 16 with the engine thread pinned to the core 
         done
     done
 }
+children_probe() {  # batch 256 over 2 grammar processes (the default on 16 cores) and over 3,
+    # alternated twice: a posted repeat and a quiet gate made each child cheaper for the engine
+    # thread than when 4 lost to 2 (h200_2026-12-04j)
+    for round in 1 2; do
+        for n in 2 3; do
+            step structured_children_${n}_$round 100 python3 \
+                benchmarks/bench_structured_serving.py --random-llama-1b --device cuda \
+                --schema-kinds mostly-forbidden --batch-sizes 256 --repeats 2 \
+                --grammar-processes $n --tag children_${n}_$round --out $out
+        done
+    done
+}
 gpu_tests() {  # the GPU tests alone (288 s on a cold H200 at 75926ed: 40 tests)
     step pytest_gpu 380 python3 -m pytest -q -m gpu --durations=10 -o faulthandler_timeout=150 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-: "${1:?one or more of: placement_probe, repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+: "${1:?one or more of: children_probe, placement_probe, repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 for mode in "$@"; do "$mode"; done
 tail -n 200 $out/summary.log
