@@ -9,8 +9,10 @@ more run under `torch.profiler`, whose CUDA kernels give the share of each step'
 GPU was busy. The segments nest (`read` holds `process`) and some run on the grammar thread
 (`fill`, `commit_many`, and `token_wait` partly) at the same time as the engine thread's, so
 they do not add up to the step. With gates (a grammar process) the `gate_*` segments are the
-engine thread's and `child_gate_ms` / `child_wait_ms` the grammar process's own time per gate,
-working and waiting for the stream.
+engine thread's (`gate_stream_wait`, `gate_stream_write` and `gate_mask_kernel`, the driver's
+stream operations and the mask kernel's launch, nest in `gate_mask` and `gate_publish`) and
+`child_gate_ms` / `child_wait_ms` the grammar process's own time per gate, working and waiting
+for the stream.
 
 Prints a table of milliseconds per step; writes benchmarks/results/profile_step_{device}.json
 and, with `--trace`, a gzipped Chrome trace per setting under `--trace-dir`. With
@@ -107,6 +109,16 @@ def instrument(engine: Any, segments: Segments) -> None:
             (worker, "gate_mask", "gate_mask"),
             (worker, "publish", "gate_publish"),
             (worker, "gate_errors", "gate_answer_wait"),
+        ]
+        # Inside gate_mask and publish: the driver's stream operations and the mask kernel's
+        # launch (the rest of gate_mask is the rows' copy and Python).
+        from atom.model_ops import triton_structured_output
+        from atom.structured_output import worker as worker_module
+
+        wraps += [
+            (worker_module, "stream_wait", "gate_stream_wait"),
+            (worker_module, "stream_write", "gate_stream_write"),
+            (triton_structured_output, "apply_token_bitmask_inplace", "gate_mask_kernel"),
         ]
     for owner, name, label in wraps:
         if hasattr(owner, name):  # a baseline checkout may predate some of them
