@@ -9,14 +9,23 @@ output, the fused gate/up and the down projection of a layer, and the LM head ov
 microseconds (device time: the calls are replayed from a CUDA graph, as the engine's decode step
 is), the TFLOPS, the weights' read rate and the time of a whole step's GEMMs (16 layers and the
 LM head).
+
+Two more candidates, with `--backends`: `cublas-t`, the same product computed transposed
+(`W @ X^T`, an [out, rows] result: cuBLAS then sees many rows and few columns and may tile
+it better), and `inductor`, `torch.compile`'s max-autotune, which tries its Triton GEMM
+templates against cuBLAS per shape (its autotuning table goes to the log): does anything beat
+cuBLAS on the down, QKV and attention-output shapes at 256 rows (350-470 TFLOPS against 660
+for gate/up, benchmarks/results/h200_2026-12-04c)?
 Prints a table; writes benchmarks/results/bench_gemm.json and .png under `--out`.
     python benchmarks/bench_gemm.py [--rows 1 16 64 256]
+    python benchmarks/bench_gemm.py --rows 256 --backends cublas cublas-t inductor
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,17 +44,40 @@ SHAPES = [
 ]
 
 
-def time_linear(rows: int, out_features: int, in_features: int, iters: int) -> float:
-    """Device microseconds per `F.linear` of [rows, in] by [out, in] in bf16: `iters` calls
+BACKENDS = ("cublas", "cublaslt", "cublas-t", "inductor")
+
+
+def product(backend: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`backend`'s product of x [rows, in] by w [out, in] (a new compiled function for
+    `inductor`: each shape autotunes on its first call)."""
+    if backend == "cublas-t":
+        return lambda x, w: torch.mm(w, x.t())  # [out, rows]: the result transposed
+    if backend == "inductor":
+        return torch.compile(
+            lambda x, w: F.linear(x, w), mode="max-autotune-no-cudagraphs", dynamic=False
+        )
+    torch.backends.cuda.preferred_blas_library(backend)
+    return F.linear
+
+
+def time_linear(
+    rows: int,
+    out_features: int,
+    in_features: int,
+    iters: int,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+) -> float:
+    """Device microseconds per `linear` of [rows, in] by [out, in] in bf16: `iters` calls
     captured in a CUDA graph and replayed between two events (launched one by one from
     Python, the small shapes would time the host's launches instead)."""
     x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16)
-    F.linear(x, w)  # cuBLAS picks its algorithm and workspace outside the capture
+    linear(x, w)  # the algorithm, workspace or compiled kernel is chosen outside the capture
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(iters):
-            F.linear(x, w)
+            linear(x, w)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -55,14 +87,17 @@ def time_linear(rows: int, out_features: int, in_features: int, iters: int) -> f
     return start.elapsed_time(end) * 1e3 / iters
 
 
-def measure(rows_list: list[int], iters: int) -> list[dict]:
+def measure(rows_list: list[int], iters: int, backends: list[str]) -> list[dict]:
+    for limit in ("recompile_limit", "cache_size_limit"):  # inductor: one compile per shape
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, 64)
     results = []
-    for backend in ("cublas", "cublaslt"):
-        torch.backends.cuda.preferred_blas_library(backend)
+    for backend in backends:
         for rows in rows_list:
             step_us = 0.0
             for name, out_f, in_f, calls in SHAPES:
-                us = time_linear(rows, out_f, in_f, iters)
+                us = time_linear(rows, out_f, in_f, iters, product(backend))
+                torch.backends.cuda.preferred_blas_library("default")
                 step_us += us * calls
                 results.append(
                     {
@@ -75,7 +110,6 @@ def measure(rows_list: list[int], iters: int) -> list[dict]:
                     }
                 )
             results.append({"backend": backend, "rows": rows, "gemm": "step", "us": step_us})
-    torch.backends.cuda.preferred_blas_library("default")
     return results
 
 
@@ -86,7 +120,7 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for backend in ("cublas", "cublaslt"):
+    for backend in sorted({r["backend"] for r in results}):
         rows = [r for r in results if r["backend"] == backend and r["gemm"] == "step"]
         ax.plot([r["rows"] for r in rows], [r["us"] / 1e3 for r in rows], "o-", label=backend)
     ax.set_xscale("log", base=2)
@@ -102,11 +136,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--iters", type=int, default=50, help="calls per graph")
+    ap.add_argument(
+        "--backends", nargs="+", choices=BACKENDS, default=["cublas", "cublaslt"], help="GEMMs"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemm needs CUDA")
-    results = measure(args.rows, args.iters)
+    results = measure(args.rows, args.iters, args.backends)
     print(f"{'backend':>9} {'rows':>5} {'gemm':>8} {'us':>9} {'TFLOPS':>8} {'weights TB/s':>13}")
     for r in results:
         print(

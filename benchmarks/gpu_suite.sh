@@ -79,6 +79,8 @@
 #                                          ~8 minutes)
 #   bash benchmarks/gpu_suite.sh children_probe (batch 256 over 2 grammar processes and over 3,
 #                                          alternated twice; ~6 minutes)
+#   bash benchmarks/gpu_suite.sh gemm_probe (the GEMMs at 256 rows: cuBLAS, transposed, and
+#                                          torch.compile max-autotune; ~3-6 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -379,6 +381,11 @@ memcheck() {
 gemm() {  # the decode step's GEMMs alone, cuBLAS against cuBLASLt
     step gemm 90 python3 benchmarks/bench_gemm.py --out $out
 }
+gemm_probe() {  # at 256 rows: cuBLAS, the transposed product and torch.compile's autotuned
+    # Triton templates (its table in the log)
+    step gemm_probe 400 python3 benchmarks/bench_gemm.py --rows 256 \
+        --backends cublas cublas-t inductor --out $out/gemm_probe
+}
 gates_check() {  # the gates' GPU tests (a killed child among them) and the CUDA graphs', then
     # the structured-output overhead with the defaults
     step pytest_gates 200 python3 -m pytest -q -m gpu --durations=5 \
@@ -473,6 +480,6 @@ gpu_tests() {  # the GPU tests alone (288 s on a cold H200 at 75926ed: 40 tests)
     step pytest_gpu 380 python3 -m pytest -q -m gpu --durations=10 -o faulthandler_timeout=150 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-: "${1:?one or more of: children_probe, placement_probe, repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+: "${1:?one or more of: gemm_probe, children_probe, placement_probe, repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 for mode in "$@"; do "$mode"; done
 tail -n 200 $out/summary.log
