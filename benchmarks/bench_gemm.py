@@ -10,12 +10,13 @@ microseconds (device time: the calls are replayed from a CUDA graph, as the engi
 is), the TFLOPS, the weights' read rate and the time of a whole step's GEMMs (16 layers and the
 LM head).
 
-Two more candidates, with `--backends`: `cublas-t`, the same product computed transposed
+More candidates, with `--backends`: `cublas-t`, the same product computed transposed
 (`W @ X^T`, an [out, rows] result: cuBLAS then sees many rows and few columns and may tile
-it better), and `inductor`, `torch.compile`'s max-autotune, which tries its Triton GEMM
-templates against cuBLAS per shape (its autotuning table goes to the log): does anything beat
-cuBLAS on the down, QKV and attention-output shapes at 256 rows (350-470 TFLOPS against 660
-for gate/up, benchmarks/results/h200_2026-12-04c)?
+it better); `inductor`, `torch.compile`'s max-autotune, which tries its Triton GEMM templates
+against cuBLAS per shape (its autotuning table goes to the log); and `triton-splitk`, a
+split-K Triton GEMM here, the fastest of a few configurations per shape (checked against
+`F.linear` first). Does anything beat cuBLAS on the down, QKV and attention-output shapes at
+256 rows (350-470 TFLOPS against 660 for gate/up, benchmarks/results/h200_2026-12-04c)?
 Prints a table; writes benchmarks/results/bench_gemm.json and .png under `--out`.
     python benchmarks/bench_gemm.py [--rows 1 16 64 256]
     python benchmarks/bench_gemm.py --rows 256 --backends cublas cublas-t inductor
@@ -44,7 +45,90 @@ SHAPES = [
 ]
 
 
-BACKENDS = ("cublas", "cublaslt", "cublas-t", "inductor")
+BACKENDS = ("cublas", "cublaslt", "cublas-t", "inductor", "triton-splitk")
+
+
+def splitk_kernel():
+    """A split-K GEMM in Triton (imported on first use): program (m, n, s) multiplies a
+    [BLOCK_M, BLOCK_N] tile over the s-th of SPLIT equal slices of K and adds it into an fp32
+    result (atomically; stores bf16 directly when SPLIT is 1). At 256 rows the down projection
+    has 2 x 16 tiles of 128 x 128 for 132 SMs; slicing K gives each SM one."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x, w, out, M, N, K, k_slice, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.program_id(2) * k_slice + tl.arange(0, BLOCK_K)
+        xs = x + rm[:, None] * K + rk[None, :]
+        ws = w + rn[:, None] * K + rk[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, k_slice, BLOCK_K):
+            a = tl.load(xs, mask=rm[:, None] < M, other=0.0)
+            b = tl.load(ws, mask=rn[:, None] < N, other=0.0)
+            acc += tl.dot(a, tl.trans(b))
+            xs += BLOCK_K
+            ws += BLOCK_K
+        at = out + rm[:, None] * N + rn[None, :]
+        inside = (rm[:, None] < M) & (rn[None, :] < N)
+        if SPLIT == 1:
+            tl.store(at, acc.to(tl.bfloat16), mask=inside)
+        else:
+            tl.atomic_add(at, acc, mask=inside)
+
+    return kernel
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, warps, stages) tried per shape; the fastest is reported
+SPLITK_CONFIGS = [
+    (bm, bn, 64, split, warps, 4)
+    for bm in (64, 128)
+    for bn in (64, 128)
+    for split in (1, 2, 4, 8)
+    for warps in (4, 8)
+]
+
+
+def splitk_linear(config: tuple[int, ...]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """x [rows, in] by w [out, in] with ``splitk_kernel`` in ``config``: an fp32 result zeroed,
+    accumulated into and cast (one bf16 store with SPLIT 1); in must divide into SPLIT slices
+    of whole BLOCK_K steps."""
+    block_m, block_n, block_k, split, warps, stages = config
+    kernel = splitk_kernel()
+
+    def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        (m, k), n = x.shape, w.shape[0]
+        assert k % (split * block_k) == 0
+        out = torch.empty(
+            m, n, device=x.device, dtype=torch.bfloat16 if split == 1 else torch.float32
+        )
+        if split > 1:
+            out.zero_()
+        grid = (-(-m // block_m), -(-n // block_n), split)
+        kernel[grid](x, w, out, m, n, k, k // split, block_m, block_n, block_k, split,
+                     num_warps=warps, num_stages=stages)  # fmt: skip
+        return out if split == 1 else out.to(torch.bfloat16)
+
+    return linear
+
+
+def time_splitk(rows: int, out_features: int, in_features: int, iters: int) -> tuple[float, tuple]:
+    """The fastest of ``SPLITK_CONFIGS`` for one shape, after checking it against
+    ``F.linear``: (microseconds, config)."""
+    x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) / 64
+    expected = F.linear(x, w).float()
+    best = (float("inf"), ())
+    for config in SPLITK_CONFIGS:
+        if in_features % (config[3] * config[2]):
+            continue
+        linear = splitk_linear(config)
+        error = (linear(x, w).float() - expected).abs().max().item()
+        assert error < 0.05, f"split-K {config}: max error {error}"
+        best = min(best, (time_linear(rows, out_features, in_features, iters, linear), config))
+    return best
 
 
 def product(backend: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -96,8 +180,12 @@ def measure(rows_list: list[int], iters: int, backends: list[str]) -> list[dict]
         for rows in rows_list:
             step_us = 0.0
             for name, out_f, in_f, calls in SHAPES:
-                us = time_linear(rows, out_f, in_f, iters, product(backend))
-                torch.backends.cuda.preferred_blas_library("default")
+                config = None
+                if backend == "triton-splitk":
+                    us, config = time_splitk(rows, out_f, in_f, iters)
+                else:
+                    us = time_linear(rows, out_f, in_f, iters, product(backend))
+                    torch.backends.cuda.preferred_blas_library("default")
                 step_us += us * calls
                 results.append(
                     {
@@ -107,6 +195,7 @@ def measure(rows_list: list[int], iters: int, backends: list[str]) -> list[dict]
                         "us": us,
                         "tflops": 2 * rows * out_f * in_f / (us * 1e-6) / 1e12,
                         "weight_tb_s": 2 * out_f * in_f / (us * 1e-6) / 1e12,
+                        "config": config,
                     }
                 )
             results.append({"backend": backend, "rows": rows, "gemm": "step", "us": step_us})

@@ -79,8 +79,8 @@
 #                                          ~8 minutes)
 #   bash benchmarks/gpu_suite.sh children_probe (batch 256 over 2 grammar processes and over 3,
 #                                          alternated twice; ~6 minutes)
-#   bash benchmarks/gpu_suite.sh gemm_probe (the GEMMs at 256 rows: cuBLAS, transposed, and
-#                                          torch.compile max-autotune; ~3-6 minutes)
+#   bash benchmarks/gpu_suite.sh gemm_probe (the GEMMs at 256 rows: cuBLAS, transposed, split-K
+#                                          Triton, torch.compile max-autotune; ~4-9 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -381,10 +381,13 @@ memcheck() {
 gemm() {  # the decode step's GEMMs alone, cuBLAS against cuBLASLt
     step gemm 90 python3 benchmarks/bench_gemm.py --out $out
 }
-gemm_probe() {  # at 256 rows: cuBLAS, the transposed product and torch.compile's autotuned
-    # Triton templates (its table in the log)
-    step gemm_probe 400 python3 benchmarks/bench_gemm.py --rows 256 \
-        --backends cublas cublas-t inductor --out $out/gemm_probe
+gemm_probe() {  # at 256 rows: cuBLAS, the transposed product and a split-K Triton GEMM (the
+    # fastest of its configurations per shape); then torch.compile's autotuned Triton templates
+    # (its table in the log)
+    step gemm_splitk 240 python3 benchmarks/bench_gemm.py --rows 256 \
+        --backends cublas cublas-t triton-splitk --out $out/gemm_splitk
+    step gemm_inductor 300 python3 benchmarks/bench_gemm.py --rows 256 \
+        --backends cublas inductor --out $out/gemm_inductor
 }
 gates_check() {  # the gates' GPU tests (a killed child among them) and the CUDA graphs', then
     # the structured-output overhead with the defaults
