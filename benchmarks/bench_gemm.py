@@ -238,6 +238,7 @@ def main() -> None:
         print(
             f"{r['backend']:>9} {r['rows']:>5} {r['gemm']:>8} {r['us']:>9.1f} "
             f"{r.get('tflops', float('nan')):>8.1f} {r.get('weight_tb_s', float('nan')):>13.2f}"
+            + (f"  {r['config']}" if r.get("config") else "")
         )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_gemm.json").write_text(
