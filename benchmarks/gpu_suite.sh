@@ -81,6 +81,8 @@
 #                                          alternated twice; ~6 minutes)
 #   bash benchmarks/gpu_suite.sh gemm_probe (the GEMMs at 256 rows: cuBLAS, transposed, split-K
 #                                          Triton, torch.compile max-autotune; ~4-9 minutes)
+#   bash benchmarks/gpu_suite.sh child_probe (a grammar process's gate on 1, 3, 7 and 14 threads
+#                                          of the host's cores, and their topology; ~3 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
 #                                          float32 under a host-memory watchdog; ~8 minutes)
 set -uo pipefail
@@ -479,10 +481,21 @@ children_probe() {  # batch 256 over 2 grammar processes (the default on 16 core
         done
     done
 }
+child_probe() {  # a grammar process's repeated gate on the H200's host (no GPU work): how its
+    # llguidance time scales with executor threads on the cores one of two children gets, and
+    # what the host says of its cores
+    step topology 20 bash -c "lscpu -e; grep . /sys/devices/system/cpu/cpu*/topology/thread_siblings_list"
+    for threads in 1 3 7; do
+        step child_gate_t$threads 120 taskset -c 0-6 python3 benchmarks/bench_child_gate.py \
+            --rows 64 128 --threads $threads --tag t$threads --out $out
+    done
+    step child_gate_t14 120 taskset -c 0-13 python3 benchmarks/bench_child_gate.py \
+        --rows 64 128 --threads 14 --tag t14 --out $out
+}
 gpu_tests() {  # the GPU tests alone (288 s on a cold H200 at 75926ed: 40 tests)
     step pytest_gpu 380 python3 -m pytest -q -m gpu --durations=10 -o faulthandler_timeout=150 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-: "${1:?one or more of: gemm_probe, children_probe, placement_probe, repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+: "${1:?one or more of: child_probe, gemm_probe, children_probe, placement_probe, repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 for mode in "$@"; do "$mode"; done
 tail -n 200 $out/summary.log
