@@ -43,8 +43,11 @@ from atom.structured_output.stream_flags import host_register, host_unregister
 __all__ = [
     "COPIED",
     "DONE",
+    "POSTED",
     "QUIET",
     "RELEASED",
+    "RING_SLOTS",
+    "TAKEN",
     "TOKENS",
     "GrammarBoard",
     "GrammarBoardTimeout",

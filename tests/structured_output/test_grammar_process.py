@@ -352,6 +352,41 @@ def test_a_repeated_gate_is_posted_on_the_board(smollm2_dir, monkeypatch):
         process.shutdown()
 
 
+def test_repeats_past_the_boards_slots_go_down_the_pipe_in_order(smollm2_dir, monkeypatch):
+    """A child that has not taken the repeats posted so far (here: waiting for sampled ids)
+    leaves no slot for the next one, which is then a message; the child still runs them all
+    in the order they were sent."""
+    from atom.structured_output.grammar_board import COPIED, POSTED, RING_SLOTS, TAKEN, TOKENS
+    from atom.structured_output.grammar_process import GrammarProcess
+
+    options = {"vocab_size": 49152, "stop_token_ids": [2], "threads": 1, "whitespace": "space"}
+    process = GrammarProcess(str(smollm2_dir), options, timeout_s=30)
+    try:
+        board = process.map_board(4, 49152 // 32, torch.device("cpu"))
+        board.set(COPIED, 100)
+        sent = []
+        conn_send = process._conn.send
+        monkeypatch.setattr(process._conn, "send", lambda m: sent.append(m) or conn_send(m))
+        process.send_gate(1, [], [(7, "r7", [], 0)])  # commits nothing: needs no sampled ids
+        process.send_repeat_gate(2)
+        deadline = time.monotonic() + 10
+        while board.get(TAKEN) < 1 and time.monotonic() < deadline:  # gate 2 waits for ids
+            time.sleep(0.001)
+        last = 2 + RING_SLOTS + 1  # RING_SLOTS more repeats fill the slots
+        for gate in range(3, last + 1):
+            process.send_repeat_gate(gate)
+        board.set(TOKENS, last)
+        answers = [process.answer_of(("gate", gate)) for gate in range(1, last + 1)]
+        assert [list(a) for a in answers] == [[7]] * last
+        assert [(method, args[0]) for method, args, _ in sent] == [
+            ("gate", 1),
+            ("repeat_gate", last),
+        ]
+        assert board.get(POSTED) == board.get(TAKEN) == last - 2
+    finally:
+        process.shutdown()
+
+
 def test_a_posted_repeat_comes_after_the_messages_sent_before_it(smollm2_dir):
     """The child takes a repeat posted on the board only after every pipe message sent before
     it, and before any sent after it: a release sent between a gate and its repeat fails the
