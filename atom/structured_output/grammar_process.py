@@ -17,9 +17,10 @@ had none (the child marks it quiet and sends nothing). With speculative decoding
 waits for the child's answer (``step``) before it samples.
 
 The child never touches CUDA. It runs one message at a time, in order, and answers calls and
-gates with errors (``cast`` gets no answer). A call that finds the child gone or silent for ``timeout_s``
-raises ``GrammarProcessError`` (the worker fails its constrained requests and refuses new ones),
-and the board's ``DONE`` counter is released so that no stream waits for the child any more; a
+gates with errors (``cast`` gets no answer); a repeated gate may come on the board instead of
+the pipe (``_Inbox``). A call that finds the child gone or silent for ``timeout_s`` raises
+``GrammarProcessError`` (the worker fails its constrained requests and refuses new ones), and
+the board's ``DONE`` counter is released so that no stream waits for the child any more; a
 watcher thread releases it as soon as the child exits, whatever the rank's threads are doing.
 """
 
