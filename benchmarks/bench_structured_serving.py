@@ -190,10 +190,20 @@ def kv_cache_bytes(args: argparse.Namespace) -> int:
     return per_token * MAX_MODEL_LEN * max(args.batch_sizes)
 
 
+def add_share_from(ap: argparse.ArgumentParser) -> None:
+    """`--share-from`, which `make_engine` applies; profile_step takes it too."""
+    ap.add_argument(
+        "--share-from",
+        type=int,
+        default=None,
+        help="live requests the first grammar process takes before the others get new ones "
+        "(default: structured_output.grammar_pool.SHARE_FROM)",
+    )
+
+
 def make_engine(args: argparse.Namespace, **overrides: Any) -> Any:
-    """The benchmark's engine (`--grammar-process`, `--grammar-processes`, `--grammar-threads`);
-    `overrides`: other
-    `EngineConfig` fields.
+    """The benchmark's engine (`--grammar-process`, `--grammar-processes`, `--grammar-threads`,
+    `--share-from`); `overrides`: other `EngineConfig` fields.
 
     Its startup heap is then frozen out of the garbage collector, as `atom serve` freezes its
     own: otherwise a full collection scans the model's and libraries' objects every so often,
@@ -207,6 +217,10 @@ def make_engine(args: argparse.Namespace, **overrides: Any) -> Any:
         overrides.setdefault("structured_output_grammar_processes", args.grammar_processes)
     if getattr(args, "grammar_threads", None) is not None:
         overrides.setdefault("structured_output_threads", args.grammar_threads)
+    if getattr(args, "share_from", None) is not None:
+        from atom.structured_output import grammar_pool
+
+        grammar_pool.SHARE_FROM = args.share_from
     engine = LLMEngine(
         EngineConfig(
             model=args.model,
@@ -925,13 +939,7 @@ def parse_args() -> argparse.Namespace:
         help="off: every gate sends its commits and jobs (an A/A-style check of repeated gates "
         "in the same checkout; this process's worker is patched, nothing in atom changes)",
     )
-    ap.add_argument(
-        "--share-from",
-        type=int,
-        default=None,
-        help="live requests the first grammar process takes before the others get new ones "
-        "(default: structured_output.grammar_pool.SHARE_FROM)",
-    )
+    add_share_from(ap)
     ap.add_argument(
         "--pin-engine-thread",
         action="store_true",
@@ -988,10 +996,6 @@ def bench(args: argparse.Namespace) -> None:
     load_start = round(os.getloadavg()[0], 2)
     if load_start > 0.5:
         print(f"warning: 1-minute load average {load_start}: the machine is busy", flush=True)
-    if args.share_from is not None:
-        from atom.structured_output import grammar_pool
-
-        grammar_pool.SHARE_FROM = args.share_from
     never = NeverProcess(args)
     engine = make_engine(args)
     timer = StepTimer(engine, grammar=True)

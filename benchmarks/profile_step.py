@@ -285,7 +285,7 @@ def make_engine(args: argparse.Namespace) -> Any:
 
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
-    return bss.make_engine(args)  # it reads --grammar-process(es) and --grammar-threads
+    return bss.make_engine(args)  # reads the grammar flags and --share-from
 
 
 def print_table(rows: list[dict]) -> None:
@@ -323,13 +323,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--grammar-processes", type=int, default=None, help="default: the engine's (by cores)"
     )
-    ap.add_argument(
-        "--share-from",
-        type=int,
-        default=None,
-        help="live requests the first grammar process takes before the others get new ones "
-        "(default: structured_output.grammar_pool.SHARE_FROM)",
-    )
+    bss.add_share_from(ap)
     ap.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument(
         "--inline-rows",
@@ -356,10 +350,6 @@ def main() -> None:
         from atom.structured_output import worker
 
         worker.INLINE_ROWS = args.inline_rows
-    if args.share_from is not None:
-        from atom.structured_output import grammar_pool
-
-        grammar_pool.SHARE_FROM = args.share_from
     args.model = bss.resolve_model(args)
     engine = make_engine(args)
     schemas = {k: bss.RANDOM_SCHEMAS[k] for k in args.schemas} if args.random_llama_1b else None
