@@ -44,7 +44,12 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _engine(
-    request, grammar_process: bool, device: str = "cpu", processes: int | None = None
+    request,
+    grammar_process: bool,
+    device: str = "cpu",
+    processes: int | None = None,
+    kv_cache_bytes: int = 256 << 20,
+    max_model_len: int = 512,
 ) -> LLMEngine:
     """SmolLM2 on CPU; on CUDA a tiny random Llama with its tokenizer (the GPU machine has no
     embedded model). ``processes``: grammar processes per rank (the default: by cores)."""
@@ -55,8 +60,8 @@ def _engine(
         model=str(model_dir),
         device=device,
         dtype="float32",
-        max_model_len=512,
-        kv_cache_bytes=256 << 20,
+        max_model_len=max_model_len,
+        kv_cache_bytes=kv_cache_bytes,
         structured_output_grammar_process=grammar_process,
         structured_output_grammar_processes=processes,
     )
@@ -227,6 +232,72 @@ def test_an_abort_and_an_arrival_while_gates_are_in_flight(request, monkeypatch,
     assert answers == reference
     assert answers["late"][1] is None and answers["late"][0] == answers["json"][0]
     assert answers["json"][1] is None and answers["plain"][1] is None
+
+
+def _preempted(request, processes: int) -> tuple[dict, list, int]:
+    """Three constrained requests and a plain one in a KV cache that holds about two of them:
+    the newest are preempted mid-answer and recompute what they had. Their answers, the
+    preempted requests with their output tokens then, and the gates sent (grammar processes:
+    ``processes``, 0 for none)."""
+    block = 737280  # SmolLM2's K and V of 16 tokens in float32 (30 layers, 3 heads of 64)
+    engine = _engine(request, processes > 0, "cpu", processes or None, 9 * block, 128)
+    try:
+        constrained = SamplingParams(temperature=0.0, max_tokens=40, structured_output=_spec())
+        requests = {
+            f"json-{i}": (_prompt(engine, f"Give person number {i} as JSON."), constrained)
+            for i in range(3)
+        }
+        plain = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+        requests["plain"] = (_prompt(engine, "Say hi."), plain)
+        scheduler, preempted = engine.cores[0].scheduler, []
+        preempt = scheduler._preempt
+
+        def record(seq):
+            preempted.append((seq.request_id, seq.num_output_tokens))
+            return preempt(seq)
+
+        scheduler._preempt = record
+        final = _run(engine, requests)
+        assert engine.structured_output_stats()["live_grammar_states"] == 0
+        answers = {
+            rid: (o.output_token_ids, o.text, o.finish_reason, o.error) for rid, o in final.items()
+        }
+        return answers, preempted, _worker(engine).gates_sent
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def preempted_in_process(request):
+    return _preempted(request, 0)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_preempted_requests_answer_as_in_process(
+    request, monkeypatch, processes, preempted_in_process
+):
+    """Preemption with gates: a constrained request preempted mid-answer recomputes its tokens
+    without committing them again (its grammar process keeps its state), and its later gates
+    carry its placeholders as before; every answer is the one the rank's own process gives,
+    valid JSON where it stopped. The same with the requests split over two grammar
+    processes."""
+    from atom.structured_output import grammar_pool
+
+    monkeypatch.setattr(grammar_pool, "SHARE_FROM", 0)
+    answers, preempted, gates = _preempted(request, processes)
+    reference, reference_preempted, _ = preempted_in_process
+    for run in (preempted, reference_preempted):  # mid-answer: some output tokens computed
+        assert any(rid.startswith("json") and n > 0 for rid, n in run), run
+    assert gates > 0
+    assert answers == reference
+    stopped = 0
+    for rid in ("json-0", "json-1", "json-2"):
+        _, text, reason, error = answers[rid]
+        assert error is None and reason in ("stop", "length")
+        if reason == "stop":
+            stopped += 1
+            assert set(json.loads(text)) == {"name", "age"}
+    assert stopped, answers
 
 
 @pytest.mark.parametrize("device", DEVICES)
