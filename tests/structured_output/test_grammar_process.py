@@ -300,6 +300,71 @@ def test_preempted_requests_answer_as_in_process(
     assert stopped, answers
 
 
+def _sampling_options(request, grammar_process: bool) -> dict:
+    """Constrained requests with a stop string, a seeded temperature, logprobs and a
+    penalty, beside a plain one: their final outputs, and the logprobs of all of one's."""
+    engine = _engine(request, grammar_process)
+    try:
+        spec = _spec()
+        options = {
+            "stop-string": SamplingParams(temperature=0.0, max_tokens=64, stop=['"age"']),
+            "seeded": SamplingParams(temperature=0.8, seed=7, max_tokens=64),
+            "logprobs": SamplingParams(temperature=0.0, max_tokens=64, logprobs=2),
+            "penalized": SamplingParams(temperature=0.0, max_tokens=64, repetition_penalty=1.3),
+        }
+        requests = {}
+        for rid, params in options.items():
+            params.structured_output = spec
+            requests[rid] = (_prompt(engine, f"Give a person as JSON ({rid})."), params)
+        plain = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        requests["plain"] = (_prompt(engine, "Say hi."), plain)
+        for rid, (prompt, params) in requests.items():
+            engine.add_request(rid, prompt, params)
+        final, logprobs = {}, []  # logprobs: every output's, of the request that asks
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == "logprobs":
+                    logprobs += out.logprobs
+                if out.finished:
+                    final[out.request_id] = out
+        assert len(logprobs) == len(final["logprobs"].output_token_ids)
+        assert (_worker(engine).gates_sent > 0) == grammar_process
+        assert engine.structured_output_stats()["live_grammar_states"] == 0
+        answers = {
+            rid: (o.output_token_ids, o.text, o.finish_reason, o.stop_reason, o.error)
+            for rid, o in final.items()
+        }
+        return answers, logprobs
+    finally:
+        engine.shutdown()
+
+
+def test_sampling_options_through_gates_answer_as_in_process(request):
+    """A stop string (applied a step late, with the next gate already sent), a seeded
+    temperature, logprobs of the raw distribution and a penalty: through gates, each
+    constrained request gets what it gets in the rank's process, no token more."""
+    answers, logprobs = _sampling_options(request, True)
+    reference, reference_logprobs = _sampling_options(request, False)
+    # The batches differ between the two runs (a grammar binds at another step), and with
+    # them the float rounding of the logits: the same tokens, logprobs equal to rounding.
+    assert [(lp.token_id, [t for t, _ in lp.top]) for lp in logprobs] == [
+        (lp.token_id, [t for t, _ in lp.top]) for lp in reference_logprobs
+    ]
+    values = [v for lp in logprobs for v in (lp.logprob, *(x for _, x in lp.top))]
+    reference_values = [
+        v for lp in reference_logprobs for v in (lp.logprob, *(x for _, x in lp.top))
+    ]
+    assert values == pytest.approx(reference_values, abs=1e-4)
+    assert answers == reference
+    _, text, reason, stop_reason, error = answers["stop-string"]
+    assert (reason, stop_reason, error) == ("stop", '"age"', None)
+    assert '"age"' not in text and text.startswith("{")
+    for rid in ("seeded", "logprobs", "penalized"):
+        assert answers[rid][4] is None
+        if answers[rid][2] == "stop":
+            assert set(json.loads(answers[rid][1])) == {"name", "age"}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_dead_grammar_process_of_two_fails_only_its_own_requests(request, device, monkeypatch):
     """Requests split over two grammar processes: killing the one that holds "json" fails
