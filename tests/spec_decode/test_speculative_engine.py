@@ -186,10 +186,11 @@ def test_constrained_and_plain_requests_match_with_ngram_drafts(smollm2_dir, asy
     from test_engine_integration import spec_of
 
     results, drafted = {}, {}
-    for name, spec in (("plain", {}), ("ngram", {"speculative_method": "ngram"})):
-        if spec:
-            spec["num_speculative_tokens"] = 4
-            spec["async_scheduling"] = async_scheduling
+    ngram = {"speculative_method": "ngram", "num_speculative_tokens": 4}
+    ngram["async_scheduling"] = async_scheduling
+    # With a grammar process, a step with drafts waits for its rows (no gates).
+    in_child = {**ngram, "structured_output_grammar_process": True}
+    for name, spec in (("plain", {}), ("ngram", ngram), ("ngram-child", in_child)):
         engine = _engine(smollm2_dir, max_model_len=512, **spec)
         constraint = spec_of(engine, SCHEMA)
         requests = {}
@@ -205,10 +206,14 @@ def test_constrained_and_plain_requests_match_with_ngram_drafts(smollm2_dir, asy
             requests[f"free-{n}"] = (prompt, SamplingParams(temperature=0, max_tokens=24))
         results[name] = _run(engine, requests)
         drafted[name] = _drafted(engine)
+        worker = engine.executor.workers[0].structured_output
+        assert (worker.pool is not None) == (name == "ngram-child") and worker.gates_sent == 0
         assert engine.structured_output_stats()["live_grammar_states"] == 0
         engine.shutdown()
     assert results["ngram"] == results["plain"]
+    assert results["ngram-child"] == results["plain"]
     assert drafted["ngram"][1] > 0  # some drafts were accepted, constrained rows among them
+    assert drafted["ngram-child"] == drafted["ngram"]
     for n in (3, 5):
         _, text, finish, error = results["ngram"][f"json-{n}"]
         assert finish == "stop" and error is None and text.startswith("{")
