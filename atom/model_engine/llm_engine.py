@@ -20,7 +20,7 @@ from atom.model_engine.errors import ENGINE_DEAD, EngineDeadError
 from atom.model_engine.executor import Executor, InProcExecutor
 from atom.model_engine.output import EngineStats, RequestOutput
 from atom.model_engine.sequence import Sequence
-from atom.model_engine.startup_heap import freeze_startup_heap
+from atom.model_engine.startup_heap import freeze_startup_heap, thaw_startup_heap
 from atom.model_engine.tokenizer import eos_token_ids, load_tokenizer
 from atom.model_loader import resolve_model, served_name
 from atom.model_loader.weights import load_hf_config
@@ -256,6 +256,7 @@ class LLMEngine:
         if self._step_pool is not None:
             self._step_pool.shutdown(wait=True)
         self._shutdown_executors()
+        thaw_startup_heap()  # this engine's cycles (model, KV cache) can be collected now
 
     def _shutdown_executors(self) -> None:
         for executor in self.executors:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 from atom.config import EngineConfig
 from atom.model_engine.llm_engine import LLMEngine
@@ -24,3 +25,19 @@ def test_an_engine_freezes_what_it_started_with(tiny_llama_dir) -> None:
         assert gc.get_freeze_count() <= frozen  # serving freezes nothing more
     finally:
         engine.shutdown()
+
+
+def test_an_engine_shut_down_can_be_collected(tiny_llama_dir) -> None:
+    """Frozen objects in cycles are never freed: a process that goes on after an engine's
+    shutdown (these tests, a notebook) must get its model and KV cache back."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32"))
+    (runner,) = engine.executor.workers
+    # A layer's weights: each keeps its layer's loader, a cycle (layer, weight, bound method).
+    layer = runner.model.model.layers[0].mlp.down_proj
+    assert layer.weight.weight_loader.__self__ is layer
+    gone = [weakref.ref(layer), weakref.ref(layer.weight), weakref.ref(runner)]
+    del runner, layer
+    engine.shutdown()
+    del engine
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None, None]
