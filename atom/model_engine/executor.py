@@ -79,5 +79,9 @@ class InProcExecutor(Executor):
         return [w.structured_output_stats() for w in self.workers]
 
     def shutdown(self) -> None:
-        for w in self.workers:
+        """Shut the rank down and let its model and KV cache go, even where something still
+        holds this executor: a web framework's caches keep a stopped app's endpoints, and
+        through them its engine (FastAPI's callable caches, 4096 entries)."""
+        workers, self.workers = self.workers, []
+        for w in workers:
             w.shutdown()

@@ -27,9 +27,11 @@ def test_an_engine_freezes_what_it_started_with(tiny_llama_dir) -> None:
         engine.shutdown()
 
 
-def test_an_engine_shut_down_can_be_collected(tiny_llama_dir) -> None:
-    """Frozen objects in cycles are never freed: a process that goes on after an engine's
-    shutdown (these tests, a notebook) must get its model and KV cache back."""
+def test_an_engine_shut_down_gives_its_model_back(tiny_llama_dir) -> None:
+    """A process that goes on after an engine's shutdown (these tests, a notebook) gets the
+    model and KV cache back, even while something still holds the engine (a stopped server's
+    app, kept by FastAPI's caches): the rank lets them go, and the heap is thawed, since frozen
+    objects in cycles are never freed."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32"))
     (runner,) = engine.executor.workers
     # A layer's weights: each keeps its layer's loader, a cycle (layer, weight, bound method).
@@ -38,6 +40,5 @@ def test_an_engine_shut_down_can_be_collected(tiny_llama_dir) -> None:
     gone = [weakref.ref(layer), weakref.ref(layer.weight), weakref.ref(runner)]
     del runner, layer
     engine.shutdown()
-    del engine
     gc.collect()
     assert [ref() for ref in gone] == [None, None, None]
