@@ -16,16 +16,25 @@ from atom.sampling_params import SamplingParams
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # tiny Llama: K+V, 2 layers, 16 tokens, 2 heads, dim 16
 
 
-def _engine(model_dir, async_scheduling: bool, **kw) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
+@pytest.fixture
+def make_engine():
+    """Makes engines, shut down after the test (an engine left running keeps its model)."""
+    made: list[LLMEngine] = []
+
+    def make(model_dir, async_scheduling: bool, **kw) -> LLMEngine:
+        config = EngineConfig(
             model=str(model_dir),
             device="cpu",
             dtype="float32",
             async_scheduling=async_scheduling,
             **kw,
         )
-    )
+        made.append(LLMEngine(config))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.shutdown()
 
 
 def _prompts(n: int, base: int = 30) -> list[list[int]]:
@@ -82,13 +91,13 @@ def _summary(outputs: list) -> tuple:
     return (final.output_token_ids, final.text, final.finish_reason, final.stop_reason)
 
 
-def test_async_matches_sync_through_preemption_and_chunking(tiny_llama_dir):
+def test_async_matches_sync_through_preemption_and_chunking(make_engine, tiny_llama_dir):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
     requests = {f"r{i}": (p, params) for i, p in enumerate(_prompts(5))}
     results = {}
     for mode in (False, True):
         # 12 blocks for 5 requests that grow to ~5 blocks each, 24-token prefill chunks
-        engine = _engine(
+        engine = make_engine(
             tiny_llama_dir, mode, kv_cache_bytes=12 * BLOCK_BYTES, max_num_batched_tokens=24
         )
         results[mode] = _run(engine, requests)
@@ -102,10 +111,10 @@ def test_async_matches_sync_through_preemption_and_chunking(tiny_llama_dir):
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
-def test_stops_seen_one_step_late_emit_nothing_extra(smollm2_dir):
+def test_stops_seen_one_step_late_emit_nothing_extra(make_engine, smollm2_dir):
     """EOS, stop strings, stop token ids and max_tokens on the real model: the async engine
     has computed a further token for each of them and must drop it."""
-    engines = {m: _engine(smollm2_dir, m, max_model_len=512) for m in (False, True)}
+    engines = {m: make_engine(smollm2_dir, m, max_model_len=512) for m in (False, True)}
     tok = engines[True].tokenizer
 
     def chat(text: str) -> list[int]:
@@ -134,13 +143,13 @@ def test_stops_seen_one_step_late_emit_nothing_extra(smollm2_dir):
     assert len(summaries["long"][0]) == 48
 
 
-def test_cancel_mid_flight(tiny_llama_dir):
+def test_cancel_mid_flight(make_engine, tiny_llama_dir):
     """Abort a request whose next step is already submitted: its in-flight token is dropped,
     the others decode exactly as without the abort, and every block comes back."""
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     requests = {f"r{i}": (p, params) for i, p in enumerate(_prompts(3))}
-    reference = _run(_engine(tiny_llama_dir, False), requests)
-    outputs = _run_aborting(_engine(tiny_llama_dir, True), requests, "r1", after=5)
+    reference = _run(make_engine(tiny_llama_dir, False), requests)
+    outputs = _run_aborting(make_engine(tiny_llama_dir, True), requests, "r1", after=5)
     final = outputs["r1"][-1]
     assert final.finish_reason == "abort" and len(final.output_token_ids) == 5
     assert final.output_token_ids == reference["r1"][-1].output_token_ids[:5]
@@ -149,7 +158,7 @@ def test_cancel_mid_flight(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("inline_rows", [0, 4], ids=["grammar-thread", "inline"])
-def test_structured_output_async_matches_sync(smollm2_dir, monkeypatch, inline_rows):
+def test_structured_output_async_matches_sync(make_engine, smollm2_dir, monkeypatch, inline_rows):
     """With the grammar work on the worker's grammar thread (every step) or on the engine thread
     (small steps): the same answers as synchronous scheduling."""
     pytest.importorskip("llguidance")
@@ -169,7 +178,7 @@ def test_structured_output_async_matches_sync(smollm2_dir, monkeypatch, inline_r
     spec = StructuredOutputSpec.of(parse_chat_response_format(fmt), None)
     results = {}
     for mode in (False, True):
-        engine = _engine(smollm2_dir, mode, max_model_len=512)
+        engine = make_engine(smollm2_dir, mode, max_model_len=512)
         tok = engine.tokenizer
         messages = [{"role": "user", "content": "Give a person as JSON."}]
         prompt = list(
@@ -190,7 +199,7 @@ def test_structured_output_async_matches_sync(smollm2_dir, monkeypatch, inline_r
         assert set(json.loads(final.text)) == {"name", "age"}
 
 
-def test_abort_while_the_grammar_rows_are_pending(tiny_llama_dir, monkeypatch):
+def test_abort_while_the_grammar_rows_are_pending(make_engine, tiny_llama_dir, monkeypatch):
     """The rank queues a constrained step's sampling only when the next step is submitted, so an
     abort between steps meets that step's grammar work still running on the grammar thread: the
     aborted request's state is released (nothing left live), every block comes back, and the
@@ -208,9 +217,9 @@ def test_abort_while_the_grammar_rows_are_pending(tiny_llama_dir, monkeypatch):
     plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     requests = {f"json{i}": (p, constrained) for i, p in enumerate(_prompts(3, base=8))}
     requests["plain"] = (_prompts(1)[0], plain)
-    reference = _run(_engine(tiny_llama_dir, False), requests)
+    reference = _run(make_engine(tiny_llama_dir, False), requests)
 
-    engine = _engine(tiny_llama_dir, True)
+    engine = make_engine(tiny_llama_dir, True)
     outputs = _run_aborting(engine, requests, "json1", after=4)
     assert outputs["json1"][-1].finish_reason == "abort"
     (runner,) = engine.executor.workers
@@ -221,7 +230,7 @@ def test_abort_while_the_grammar_rows_are_pending(tiny_llama_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_each_output_keeps_what_it_had(tiny_llama_dir, async_scheduling):
+def test_each_output_keeps_what_it_had(make_engine, tiny_llama_dir, async_scheduling):
     """Outputs read only once every request has ended (their sequences have since grown, had
     placeholders resolved or dropped, been preempted, one aborted) still hold the output ids and
     text of their own step; copies and pickles of them too."""
@@ -229,7 +238,7 @@ def test_each_output_keeps_what_it_had(tiny_llama_dir, async_scheduling):
     import pickle
 
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    engine = _engine(
+    engine = make_engine(
         tiny_llama_dir,
         async_scheduling,
         kv_cache_bytes=10 * BLOCK_BYTES,
