@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -66,6 +67,9 @@ class LLMEngine:
         self._constrained: set[str] = set()  # routed requests with a grammar
         self._lock = threading.Lock()
         freeze_startup_heap()  # the model, the tokenizer and the modules, never collected
+        # Thawed at shutdown, or once this engine is dropped without one: its cycles (the
+        # model's layers and weights) can only be collected from a thawed heap.
+        self._thaw = weakref.finalize(self, thaw_startup_heap)
 
     @property
     def executor(self) -> Executor:
@@ -256,7 +260,7 @@ class LLMEngine:
         if self._step_pool is not None:
             self._step_pool.shutdown(wait=True)
         self._shutdown_executors()
-        thaw_startup_heap()  # this engine's cycles (model, KV cache) can be collected now
+        self._thaw()
 
     def _shutdown_executors(self) -> None:
         for executor in self.executors:

@@ -42,3 +42,13 @@ def test_an_engine_shut_down_gives_its_model_back(tiny_llama_dir) -> None:
     engine.shutdown()
     gc.collect()
     assert [ref() for ref in gone] == [None, None, None]
+
+
+def test_an_engine_dropped_without_shutdown_gives_its_model_back(tiny_llama_dir) -> None:
+    """An engine nobody shut down thaws the heap once it is dropped."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32"))
+    (runner,) = engine.executor.workers
+    gone = weakref.ref(runner.model.model.layers[0].mlp.down_proj)
+    del runner, engine
+    gc.collect()
+    assert gone() is None
