@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The H200 run behind the committed GPU results: one call of the device tool, carrying .whl
 # (this repo's Python dependencies as wheels) and .gpu_assets (the SmolLM2 tokenizer for the GPU
-# tests). Writes everything under $OUT/gpu.tgz (a tarball: the tool brings back few files).
+# tests), both made by `.venv/bin/python benchmarks/gpu_assets.py [--baseline REV]` in a fresh
+# checkout (with `.baseline_REV`, another checkout's atom for the A/B modes). Writes everything
+# under $OUT/gpu.tgz (a tarball: the tool brings back few files).
 # One or more modes a call, run in turn (a call runs at most 10 minutes; every step has a limit):
 #   bash benchmarks/gpu_suite.sh bench    (benchmarks, about 8 minutes)
 #   bash benchmarks/gpu_suite.sh check    (GPU tests and compute-sanitizer, about 9 minutes)
