@@ -76,9 +76,10 @@
 #                                          calls in turn and in parallel; structured_ab; ~5 min)
 #   [ROUNDS=2 REPEATS=3] bash benchmarks/gpu_suite.sh repeat_ab (batch 1 and 16, repeated gates
 #                                          off and on, alternated; where the engine thread ran)
-#   bash benchmarks/gpu_suite.sh placement_probe (batch 1 and 16 with the engine thread pinned
-#                                          and not; batch 64 over one grammar process and two;
-#                                          ~8 minutes)
+#   [ROUNDS=2] bash benchmarks/gpu_suite.sh placement_probe (pin_probe; batch 64 over one
+#                                          grammar process and two; ~4 minutes a round)
+#   [ROUNDS=2 BATCHES="1 16" REPEATS=3] bash benchmarks/gpu_suite.sh pin_probe (the engine
+#                                          thread pinned and not, alternated; ~2 minutes a round)
 #   bash benchmarks/gpu_suite.sh children_probe (batch 256 over 2 grammar processes and over 3,
 #                                          alternated twice; ~6 minutes)
 #   bash benchmarks/gpu_suite.sh gemm_probe (the GEMMs at 256 rows: cuBLAS, transposed, split-K
@@ -451,23 +452,26 @@ repeat_ab() {  # batch 1 and 16 with repeated gates off and on, alternated ROUND
         done
     done
 }
-placement_probe() {  # batch 1 and 16 with the engine thread pinned to the core the grammar
-    # processes leave free and not, alternated twice; then batch 64 in one grammar process
-    # (share from 64, the default) and over two (share from 32)
-    for round in 1 2; do
-        for pin in off on; do
-            step structured_pin_${pin}_$round 90 python3 benchmarks/bench_structured_serving.py \
-                --random-llama-1b --device cuda --schema-kinds mostly-forbidden --batch-sizes 1 16 \
-                --repeats 3 $([[ $pin == on ]] && echo --pin-engine-thread) \
-                --tag pin_${pin}_$round --out $out
-        done
-    done
-    for round in 1 2; do
+placement_probe() {  # pin_probe, then batch 64 in one grammar process (share from 64, the
+    # default) and over two (share from 32), alternated ROUNDS times (2)
+    pin_probe
+    for round in $(seq ${ROUNDS:-2}); do
         for share in 64 32; do
             step structured_share_${share}_$round 90 python3 \
                 benchmarks/bench_structured_serving.py --random-llama-1b --device cuda \
                 --schema-kinds mostly-forbidden --batch-sizes 64 --repeats 2 \
                 --share-from $share --tag share_${share}_$round --out $out
+        done
+    done
+}
+pin_probe() {  # the engine thread pinned to the core the grammar processes leave free and
+    # not, alternated ROUNDS times (2), at BATCHES (1 16)
+    for round in $(seq ${ROUNDS:-2}); do
+        for pin in off on; do
+            step structured_pin_${pin}_$round 110 python3 benchmarks/bench_structured_serving.py \
+                --random-llama-1b --device cuda --schema-kinds mostly-forbidden \
+                --batch-sizes ${BATCHES:-1 16} --repeats ${REPEATS:-3} \
+                $([[ $pin == on ]] && echo --pin-engine-thread) --tag pin_${pin}_$round --out $out
         done
     done
 }
@@ -498,6 +502,6 @@ gpu_tests() {  # the GPU tests alone (288 s on a cold H200 at 75926ed: 40 tests)
     step pytest_gpu 380 python3 -m pytest -q -m gpu --durations=10 -o faulthandler_timeout=150 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-: "${1:?one or more of: child_probe, gemm_probe, children_probe, placement_probe, repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+: "${1:?one or more of: pin_probe, child_probe, gemm_probe, children_probe, placement_probe, repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 for mode in "$@"; do "$mode"; done
 tail -n 200 $out/summary.log
