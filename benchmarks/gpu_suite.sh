@@ -76,12 +76,14 @@
 #                                          calls in turn and in parallel; structured_ab; ~5 min)
 #   [ROUNDS=2 REPEATS=3] bash benchmarks/gpu_suite.sh repeat_ab (batch 1 and 16, repeated gates
 #                                          off and on, alternated; where the engine thread ran)
-#   [ROUNDS=2] bash benchmarks/gpu_suite.sh placement_probe (pin_probe; batch 64 over one
-#                                          grammar process and two; ~4 minutes a round)
+#   [ROUNDS=2] bash benchmarks/gpu_suite.sh placement_probe (pin_probe, then share_probe;
+#                                          ~4 minutes a round)
 #   [ROUNDS=2 BATCHES="1 16" REPEATS=3] bash benchmarks/gpu_suite.sh pin_probe (the engine
 #                                          thread pinned and not, alternated; ~2 minutes a round)
-#   bash benchmarks/gpu_suite.sh children_probe (batch 256 over 2 grammar processes and over 3,
-#                                          alternated twice; ~6 minutes)
+#   [ROUNDS=2 CHILDREN=3] bash benchmarks/gpu_suite.sh children_probe (batch 256 over 2 grammar
+#                                          processes and over CHILDREN, alternated; ~3 min a round)
+#   [ROUNDS=2] bash benchmarks/gpu_suite.sh share_probe (batch 64 in one grammar process and
+#                                          over two, alternated; ~2 minutes a round)
 #   bash benchmarks/gpu_suite.sh gemm_probe (the GEMMs at 256 rows: cuBLAS, transposed, split-K
 #                                          Triton, torch.compile max-autotune; ~4-9 minutes)
 #   bash benchmarks/gpu_suite.sh child_probe (a grammar process's gate on 1, 3, 7 and 14 threads
@@ -452,9 +454,12 @@ repeat_ab() {  # batch 1 and 16 with repeated gates off and on, alternated ROUND
         done
     done
 }
-placement_probe() {  # pin_probe, then batch 64 in one grammar process (share from 64, the
-    # default) and over two (share from 32), alternated ROUNDS times (2)
+placement_probe() {  # pin_probe, then share_probe
     pin_probe
+    share_probe
+}
+share_probe() {  # batch 64 in one grammar process (share from 64, the default) and over two
+    # (share from 32), alternated ROUNDS times (2)
     for round in $(seq ${ROUNDS:-2}); do
         for share in 64 32; do
             step structured_share_${share}_$round 90 python3 \
@@ -475,11 +480,11 @@ pin_probe() {  # the engine thread pinned to the core the grammar processes leav
         done
     done
 }
-children_probe() {  # batch 256 over 2 grammar processes (the default on 16 cores) and over 3,
-    # alternated twice: a posted repeat and a quiet gate made each child cheaper for the engine
-    # thread than when 4 lost to 2 (h200_2026-12-04j)
-    for round in 1 2; do
-        for n in 2 3; do
+children_probe() {  # batch 256 over 2 grammar processes (the default on 16 cores) and over
+    # CHILDREN others (3), alternated ROUNDS times (2): a posted repeat and a quiet gate made each
+    # child cheaper for the engine thread than when 4 lost to 2 (h200_2026-12-04j)
+    for round in $(seq ${ROUNDS:-2}); do
+        for n in 2 ${CHILDREN:-3}; do
             step structured_children_${n}_$round 100 python3 \
                 benchmarks/bench_structured_serving.py --random-llama-1b --device cuda \
                 --schema-kinds mostly-forbidden --batch-sizes 256 --repeats 2 \
@@ -502,6 +507,6 @@ gpu_tests() {  # the GPU tests alone (288 s on a cold H200 at 75926ed: 40 tests)
     step pytest_gpu 380 python3 -m pytest -q -m gpu --durations=10 -o faulthandler_timeout=150 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-: "${1:?one or more of: pin_probe, child_probe, gemm_probe, children_probe, placement_probe, repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+: "${1:?one or more of: pin_probe, share_probe, child_probe, gemm_probe, children_probe, placement_probe, repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 for mode in "$@"; do "$mode"; done
 tail -n 200 $out/summary.log
