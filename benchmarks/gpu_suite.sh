@@ -32,7 +32,9 @@
 #                                          with the defaults; about 9 minutes)
 #   bash benchmarks/gpu_suite.sh gates_serving (bench_serving, then the mostly-allowed
 #                                          structured-output overhead; about 6 minutes)
-#   bash benchmarks/gpu_suite.sh gates_profile (host segments of a step with gates; ~3 minutes)
+#   bash benchmarks/gpu_suite.sh gates_profile (host segments of a step with gates, the stream
+#                                          operations, mask launch and tensor copies among them;
+#                                          ~3 minutes)
 #   bash benchmarks/gpu_suite.sh hooks_profile (the same at batch 64 and 256, with the engine
 #                                          thread's functions under cProfile; ~3 minutes)
 #   bash benchmarks/gpu_suite.sh threads_profile (the host's cores; the same at 2, 4, 8 and 15
@@ -284,7 +286,7 @@ gates_serving() {  # with the defaults (gates): the online serving benchmark, th
 gates_profile() {  # where a constrained step's time goes with gates: the engine thread's
     # segments and the grammar process's own time per gate
     step profile_gates 170 python3 benchmarks/profile_step.py --random-llama-1b --device cuda \
-        --batch-sizes 16 64 256 --schemas mostly-forbidden --steps 16 --profile-steps 2 \
+        --batch-sizes 1 16 64 256 --schemas mostly-forbidden --steps 16 --profile-steps 2 \
         --grammar-process on --tag gates --out $out
 }
 hooks_profile() {  # the engine thread's Python, function by function (cProfile), plain and

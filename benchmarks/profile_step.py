@@ -10,7 +10,8 @@ GPU was busy. The segments nest (`read` holds `process`) and some run on the gra
 (`fill`, `commit_many`, and `token_wait` partly) at the same time as the engine thread's, so
 they do not add up to the step. With gates (a grammar process) the `gate_*` segments are the
 engine thread's (`gate_stream_wait`, `gate_stream_write` and `gate_mask_kernel`, the driver's
-stream operations and the mask kernel's launch, nest in `gate_mask` and `gate_publish`) and
+stream operations and the mask kernel's launch, nest in `gate_mask` and `gate_publish`;
+`tensor_copy` is every `Tensor.copy_`, the gates' rows and sampled ids among them) and
 `child_gate_ms` / `child_wait_ms` the grammar process's own time per gate, working and waiting
 for the stream.
 
@@ -74,11 +75,16 @@ class Segments:
 
 def instrument(engine: Any, segments: Segments) -> None:
     """Timers around the step's host work (see the module docstring)."""
+    import torch
+
     from atom.model_engine.deferred_output import DeferredOutput
 
     (core,) = engine.cores
     (runner,) = engine.executor.workers
     wraps = [
+        # Every tensor copy on any thread, the gates' among them: in place (a busy host, its
+        # caches cold between steps) a copy may cost more than bench_gate_ops's 4-7 µs.
+        (torch.Tensor, "copy_", "tensor_copy"),
         (core.scheduler, "schedule", "schedule"),
         (core, "_read", "read"),
         (core, "_process", "process"),
