@@ -8,6 +8,10 @@ times the hooks as a whole (0.34 ms a step at batch 1 on the H200, 2026-12-03); 
 calls that time is made of. Each operation runs `--iters` times back to back (a sync between
 operations, none inside), its mean host microseconds per call reported at each row count.
 
+Back to back, each call finds the code and data of the last one in the caches; in the engine
+a gate's calls come once a step, between a step's other work. `--cold` reads 64 MiB between
+calls (untimed) so that each call starts with the caches of another workload, as in the engine.
+
 Prints a table; writes benchmarks/results/bench_gate_ops.json.
     python benchmarks/bench_gate_ops.py --out /tmp/gpu
 """
@@ -40,20 +44,29 @@ def _echo(conn) -> None:
         conn.send((True, {}))
 
 
-def _timed(fn: Callable[[], object], iters: int) -> float:
+def _timed(fn: Callable[[], object], iters: int, evict: Callable[[], object] | None) -> float:
     """Mean host µs per call of ``fn`` (one untimed call first: a kernel's first launch
-    compiles it; the device drained before and after)."""
+    compiles it; the device drained before and after); with ``evict``, each call timed alone
+    after it."""
     fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    elapsed = time.perf_counter() - start
+    elapsed = 0.0
+    if evict is None:
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        elapsed = time.perf_counter() - start
+    else:
+        for _ in range(iters):
+            evict()
+            start = time.perf_counter()
+            fn()
+            elapsed += time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / iters * 1e6
 
 
-def measure(rows: int, iters: int, conn) -> dict[str, float]:
+def measure(rows: int, iters: int, conn, cold: bool = False) -> dict[str, float]:
     """Each of a gate's engine-thread operations at ``rows`` constrained rows."""
     from atom.model_ops.triton_structured_output import apply_token_bitmask_inplace
     from atom.structured_output.stream_flags import (
@@ -113,7 +126,11 @@ def measure(rows: int, iters: int, conn) -> dict[str, float]:
             ring[: 2 * rows].view(torch.int64).copy_(sampled, non_blocking=True)
         ),
     }
-    result = {name: _timed(fn, iters) for name, fn in ops.items()}
+    evict = None
+    if cold:
+        scratch = torch.ones(64 << 20 >> 3, dtype=torch.float64)
+        evict = scratch.sum
+    result = {name: _timed(fn, iters, evict) for name, fn in ops.items()}
     host_unregister(dev, host.data_ptr())
     return result
 
@@ -122,23 +139,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--iters", type=int, default=500)
+    ap.add_argument("--cold", action="store_true", help="each call after 64 MiB read elsewhere")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     conn, child_end = ctx.Pipe()
     child = ctx.Process(target=_echo, args=(child_end,), daemon=True)
     child.start()
-    table = {rows: measure(rows, args.iters, conn) for rows in args.rows}
+    table = {rows: measure(rows, args.iters, conn, args.cold) for rows in args.rows}
     conn.close()
     child.join(timeout=5)
     names = list(next(iter(table.values())))
-    print(f"host µs per call, {args.iters} calls each, {torch.cuda.get_device_name()}")
+    caches = "cold (64 MiB read before each call)" if args.cold else "back to back"
+    print(f"host µs per call, {args.iters} calls each, {caches}, {torch.cuda.get_device_name()}")
     print(f"{'operation':<22}" + "".join(f"{f'rows {r}':>10}" for r in args.rows))
     for name in names:
         print(f"{name:<22}" + "".join(f"{table[r][name]:>10.1f}" for r in args.rows))
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "bench_gate_ops.json"
-    path.write_text(json.dumps({"iters": args.iters, "us_per_call": table}, indent=2))
+    path = args.out / f"bench_gate_ops{'_cold' if args.cold else ''}.json"
+    path.write_text(
+        json.dumps({"iters": args.iters, "cold": args.cold, "us_per_call": table}, indent=2)
+    )
     print(f"wrote {path}")
 
 

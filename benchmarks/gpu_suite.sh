@@ -88,6 +88,8 @@
 #                                          over two, alternated; ~2 minutes a round)
 #   bash benchmarks/gpu_suite.sh gemm_probe (the GEMMs at 256 rows: cuBLAS, transposed, split-K
 #                                          Triton, torch.compile max-autotune; ~4-9 minutes)
+#   bash benchmarks/gpu_suite.sh hooks_probe (a gate's calls back to back and with cold caches,
+#                                          then gates_profile; ~5 minutes)
 #   bash benchmarks/gpu_suite.sh child_probe (a grammar process's gate on 1, 3, 7 and 14 threads
 #                                          of the host's cores, and their topology; ~3 minutes)
 #   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
@@ -494,6 +496,14 @@ children_probe() {  # batch 256 over 2 grammar processes (the default on 16 core
         done
     done
 }
+hooks_probe() {  # why the engine thread's gate calls cost ~3x in place what they cost back to
+    # back: each call after another workload's 64 MiB (cold caches) against back to back, then
+    # gates_profile (its segments time the stream operations, mask launch and tensor copies)
+    step gate_ops 60 python3 benchmarks/bench_gate_ops.py --rows 1 64 256 --iters 200 --out $out
+    step gate_ops_cold 120 python3 benchmarks/bench_gate_ops.py --rows 1 64 256 --iters 100 \
+        --cold --out $out
+    gates_profile
+}
 child_probe() {  # a grammar process's repeated gate on the H200's host (no GPU work): how its
     # llguidance time scales with executor threads on the cores one of two children gets, and
     # what the host says of its cores
@@ -509,6 +519,6 @@ gpu_tests() {  # the GPU tests alone (288 s on a cold H200 at 75926ed: 40 tests)
     step pytest_gpu 380 python3 -m pytest -q -m gpu --durations=10 -o faulthandler_timeout=150 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-: "${1:?one or more of: pin_probe, share_probe, child_probe, gemm_probe, children_probe, placement_probe, repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+: "${1:?one or more of: hooks_probe, pin_probe, share_probe, child_probe, gemm_probe, children_probe, placement_probe, repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 for mode in "$@"; do "$mode"; done
 tail -n 200 $out/summary.log
