@@ -92,8 +92,10 @@
 #                                          then gates_profile; ~5 minutes)
 #   bash benchmarks/gpu_suite.sh child_probe (a grammar process's gate on 1, 3, 7 and 14 threads
 #                                          of the host's cores, and their topology; ~3 minutes)
-#   bash benchmarks/gpu_suite.sh racecheck (racecheck probes, then the engine's variants in
-#                                          float32 under a host-memory watchdog; ~8 minutes)
+#   [RACE_PROBES="add ..." RACE_VARIANTS="graphs-async"] bash benchmarks/gpu_suite.sh racecheck
+#                                          (racecheck probes, then the engine's variants in float32
+#                                          under a host-memory watchdog; ~8 minutes, ~4 for one
+#                                          variant without probes: RACE_PROBES="")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -155,7 +157,7 @@ racecheck() {
     # Bf16 engine runs under racecheck end in "Internal Sanitizer Error" at the first forward,
     # whichever of ATOM's kernels is instrumented (2026-12-02): probe a cuBLAS GEMM alone in
     # bf16 and fp32, then check the engine's variants in float32, every kernel instrumented.
-    for probe in add rms_norm matmul_fp32 matmul_bf16; do
+    for probe in ${RACE_PROBES-add rms_norm matmul_fp32 matmul_bf16}; do
         step race_probe_$probe 40 compute-sanitizer --tool racecheck --print-limit 20 \
             python3 benchmarks/racecheck_probe.py $probe
     done
