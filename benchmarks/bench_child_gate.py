@@ -92,15 +92,20 @@ def measure(rows: int, threads: int, gates: int) -> dict:
 
     publish(2)
     child.gate(2, [(rid, [answer[p - 1]], None) for rid, p in zip(rids, at, strict=True)], jobs, 30)
-    executor = child.manager._mask_executor = TimedExecutor(child.manager._mask_executor)
+    # One thread: no executor, llguidance runs on this thread, inside "rest".
+    executor = child.executors[False]
+    if executor is not None:
+        executor = TimedExecutor(executor)
+        child.executors = {True: executor, False: executor}
     gate_ms, llguidance_ms = [], []
     for gate in range(3, 3 + gates):
         publish(gate)
-        executor.seconds = 0.0
         start = time.perf_counter()
         errors = child.repeat_gate(gate, 30)
         gate_ms.append(1000 * (time.perf_counter() - start))
-        llguidance_ms.append(1000 * executor.seconds)
+        llguidance_ms.append(1000 * executor.seconds if executor is not None else 0.0)
+        if executor is not None:
+            executor.seconds = 0.0
         assert not errors, errors
     child.manager.shutdown()
     gate_median, llguidance_median = statistics.median(gate_ms), statistics.median(llguidance_ms)

@@ -141,8 +141,8 @@ class ChildTiming:
         (runner,) = engine.executor.workers
         worker = runner.structured_output
         self.processes = worker.pool.processes if worker.pool is not None and worker.gates else []
-        # gates, busy s, and of that: waited, committing, filling (``gate_timing``)
-        self.totals = [[0, 0.0, 0.0, 0.0, 0.0] for _ in self.processes]
+        # gates, busy s, and of that: waited, committing, filling; gates alone (``gate_timing``)
+        self.totals = [[0, 0.0, 0.0, 0.0, 0.0, 0] for _ in self.processes]
         self._before: list[tuple] = []
 
     def start(self) -> None:
@@ -160,8 +160,9 @@ class ChildTiming:
         busiest = max(self.totals, key=lambda t: t[1] - t[2], default=None)
         if busiest is None or not busiest[0]:
             return {}
-        gates, busy_s, waited_s, commit_s, fill_s = busiest
+        gates, busy_s, waited_s, commit_s, fill_s, alone = busiest
         return {
+            "child_alone_share": alone / gates,
             "child_gate_ms": 1000 * (busy_s - waited_s) / gates,
             "child_wait_ms": 1000 * waited_s / gates,
             "child_commit_ms": 1000 * commit_s / gates,

@@ -1,7 +1,7 @@
 """A rank's grammar processes: its constrained requests split over one or more children.
 
-One child's llguidance executor stops scaling at about 8 threads, and its per-row Python runs on
-one interpreter: on the H200's 16-core host, one child took 3.05 ms for a step of 256
+One child's llguidance executor scales poorly past about 8 threads, and its per-row Python runs
+on one interpreter: on the H200's 16-core host, one child took 3.05 ms for a step of 256
 integer-array rows, two children of 128 rows each on their own half of the cores 1.76 ms beside
 each other (benchmarks/results/h200_2026-12-04d), under the 1.75 ms of the decode step they
 hide behind. So a rank may start several (``EngineConfig.grammar_processes``), each pinned to its
@@ -9,7 +9,9 @@ own share of the cores (``split_cores``), and gives each new request an "owner" 
 first prepares it: the first child while it holds fewer than ``SHARE_FROM`` live requests, else
 the child with the fewest. A small batch thus stays in one child: each child a gate goes to
 costs the engine thread a message, a stream wait and copy and a mask kernel launch, and a few
-rows are filled well within the forward they hide behind. Every message about a request goes to
+rows are filled well within the forward they hide behind; a gate only one child takes part in
+fills on every spare core, not just that child's share (``_Grammars``: 64 rows in 0.73 ms on 14
+threads against 1.00 on 7). Every message about a request goes to
 its owner; a grammar is compiled by every child (admission asks them all), so any child can
 take its next request at once.
 
@@ -58,12 +60,17 @@ class GrammarPool:
         self, tokenizer: str | Path, manager_options: dict, timeout_s: float, count: int
     ) -> None:
         """Starts ``count`` children (fewer on a host with fewer spare cores), each pinned to
-        its share of this process's cores, all at once."""
+        its share of this process's cores (all of them for a gate it alone takes part in:
+        ``StructuredOutputWorker`` says which), all at once."""
         self.processes: list[GrammarProcess] = []
+        shares = split_cores(count)
+        spare = sorted(core for cores in shares for core in cores or ()) or None
         try:
-            for cores in split_cores(count):
+            for cores in shares:
                 self.processes.append(
-                    GrammarProcess(tokenizer, manager_options, timeout_s, cores, wait=False)
+                    GrammarProcess(
+                        tokenizer, manager_options, timeout_s, cores, wait=False, spare=spare
+                    )
                 )
             for process in self.processes:
                 process.wait_started()

@@ -84,17 +84,19 @@ class GrammarProcess:
         timeout_s: float,
         cores: list[int] | None = None,
         wait: bool = True,
+        spare: list[int] | None = None,
     ) -> None:
         """Spawns the child and waits (seconds: it loads the tokenizer) until its manager is
         built, or with ``wait=False`` leaves that to ``wait_started`` (children started
         together load at once); ``manager_options``: ``StructuredOutputManager``'s keyword
         arguments; ``cores``: the only cores the child and its llguidance threads run on
-        (``split_cores``)."""
+        (``split_cores``), but for a gate that no other child takes part in, whose llguidance
+        work runs on all of ``spare`` (the cores every child of the rank shares out)."""
         ctx = mp.get_context("spawn")  # never fork: the rank holds threads and CUDA state
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(
             target=_serve,
-            args=(child, str(tokenizer), manager_options, cores),
+            args=(child, str(tokenizer), manager_options, cores, spare),
             name="atom-grammar-process",
             # Not a daemon: a rank's own process is one, and daemons may not have children. The
             # child ends when this end of the pipe closes, at ``shutdown`` or at exit (before
@@ -160,10 +162,11 @@ class GrammarProcess:
             self._in_flight.append(("call", self._sent))
             return self._in_flight[-1]
 
-    def send_gate(self, gate: int, commits: list, jobs: list) -> Ticket:
+    def send_gate(self, gate: int, commits: list, jobs: list, alone: bool = False) -> Ticket:
         """Queue a gate's grammar work (``_Grammars.gate``) without waiting for it; its answer
-        is read by ``answer_of`` with the returned ticket."""
-        return self._queue_gate(gate, "gate", (gate, commits, jobs, self._timeout_s))
+        is read by ``answer_of`` with the returned ticket. ``alone``: no other child takes part
+        in the gate, so this one may use every spare core."""
+        return self._queue_gate(gate, "gate", (gate, commits, jobs, self._timeout_s, alone))
 
     def send_repeat_gate(self, gate: int) -> Ticket:
         """Queue the last gate's work again as ``gate`` (``_Grammars.repeat_gate``): a batch
@@ -323,17 +326,39 @@ def _stop(conn: Connection, process: BaseProcess) -> None:
 class _Grammars:
     """The child's side: a ``StructuredOutputManager`` and the board whose rows it fills."""
 
-    def __init__(self, tokenizer: str, manager_options: dict) -> None:
+    def __init__(
+        self,
+        tokenizer: str,
+        manager_options: dict,
+        cores: list[int] | None = None,
+        spare: list[int] | None = None,
+    ) -> None:
+        """Pins this process to ``cores`` (none: unpinned), and builds the manager with one
+        llguidance executor thread per core of ``spare`` (its lanes as many), each thread free
+        to run on any of them, and a second executor over ``cores`` alone: a gate runs on the
+        first when no other child has rows in it (``alone``), on the second otherwise, when the
+        other children fill beside it on the rest of ``spare``. Measured on the H200's host
+        (``bench_child_gate.py``, 64 integer-array rows, benchmarks/results/h200_2026-12-05c):
+        1.00 ms a gate on 7 threads, 0.73 on 14."""
         from atom.model_engine.tokenizer import load_tokenizer
         from atom.structured_output.manager import StructuredOutputManager
 
-        self.manager = StructuredOutputManager(load_tokenizer(tokenizer), **manager_options)
+        wide = spare if cores and spare and set(cores) < set(spare) else cores
+        self.manager = StructuredOutputManager(
+            load_tokenizer(tokenizer), **_pin(manager_options, wide)
+        )
+        own = self.manager.mask_executor
+        if wide != cores:
+            own = _executor(_pin(manager_options, cores)["threads"])
+        # The executor of a gate, by whether it is alone (``gate``).
+        self.executors = {True: self.manager.mask_executor, False: own}
         self.board: GrammarBoard | None = None
         self._views: dict[tuple[int, int], torch.Tensor] = {}  # fill_masks keeps a view it knows
         self._gates, self._gate_s, self._waited_s = 0, 0.0, 0.0  # see gate_timing
-        self._commit_s, self._fill_s = 0.0, 0.0
-        # The last gate's number and jobs, and the ring rows of those jobs (``repeat_gate``).
-        self._last_gate: tuple[int, list] = (0, [])
+        self._commit_s, self._fill_s, self._alone = 0.0, 0.0, 0
+        # The last gate's number, jobs and whether it was alone, and the ring rows of those
+        # jobs (``repeat_gate``).
+        self._last_gate: tuple[int, list, bool] = (0, [], False)
         self._repeat: tuple[list | None, np.ndarray | None] = (None, None)
         # The last gate whose rows went into each area: the next gate that writes there waits
         # until the stream copied them (a rank with several grammar processes sends each only
@@ -373,14 +398,15 @@ class _Grammars:
         """A step the rank waits for (speculative decoding): rows of area 0."""
         from atom.structured_output.grammar_rows import fill_rows
 
+        self.manager.mask_executor = self.executors[False]
         if updates:
             self.manager.commit_many(updates)
         return fill_rows(self.manager, lambda n: self._rows(0, n), jobs)
 
     def repeat_gate(self, gate: int, timeout_s: float) -> dict[int, str]:
         """The last gate's jobs again as ``gate``, each committing the id the last gate sampled
-        in its row (read for all rows at once)."""
-        last, jobs = self._last_gate
+        in its row (read for all rows at once), alone if it was."""
+        last, jobs, alone = self._last_gate
         made_for, rows = self._repeat
         if made_for is not jobs:
             rows = np.array([job[3] for job in jobs], dtype=np.int64)
@@ -391,18 +417,21 @@ class _Grammars:
             tokens = board.tokens(last).numpy()[rows].tolist()
             return [(job[1], [token]) for job, token in zip(jobs, tokens, strict=True)]
 
-        return self._gate(gate, sampled, jobs, timeout_s)
+        return self._gate(gate, sampled, jobs, timeout_s, alone)
 
-    def gate(self, gate: int, commits: list, jobs: list, timeout_s: float) -> dict[int, str]:
+    def gate(
+        self, gate: int, commits: list, jobs: list, timeout_s: float, alone: bool = False
+    ) -> dict[int, str]:
         """A gate's work (``grammar_board``): commit the acknowledged tokens, placeholders read
         from the ring once the stream published them; then write one row per job into the
         gate's area, once the stream copied what that area held before, with its logits row
         (an allow-all row for a request that gets no mask: it fails, its token is dropped).
         ``DONE`` is raised even when this fails, so the stream never waits for it; the area
         then keeps another gate's stamp (``GrammarBoard.row_index``), so its rows mask nothing,
-        and the rank fails the gate's requests."""
+        and the rank fails the gate's requests. ``alone``: no other child has rows in this
+        gate, so its llguidance work may use every spare core (``executors``)."""
         return self._gate(
-            gate, lambda b: self._resolve(b, gate, commits, timeout_s), jobs, timeout_s
+            gate, lambda b: self._resolve(b, gate, commits, timeout_s), jobs, timeout_s, alone
         )
 
     def _gate(
@@ -411,12 +440,15 @@ class _Grammars:
         updates: Callable[[GrammarBoard], list],
         jobs: list,
         timeout_s: float,
+        alone: bool,
     ) -> dict[int, str]:
         """``gate`` and ``repeat_gate``: ``updates(board)`` gives the commits, resolved."""
         board = self.board
         assert board is not None, "map_board first"
         start = time.perf_counter()
-        self._last_gate, self.timeout_s = (gate, jobs), timeout_s
+        self._last_gate, self.timeout_s = (gate, jobs, alone), timeout_s
+        self.manager.mask_executor = self.executors[alone]
+        self._alone += alone
         errors = None
         try:
             errors = self._gate_rows(board, gate, updates(board), jobs, timeout_s)
@@ -458,11 +490,18 @@ class _Grammars:
         errors is marked quiet on the board instead (``GrammarBoard.quiet``)."""
         return not (method in ("gate", "repeat_gate") and result == (True, {}))
 
-    def gate_timing(self) -> tuple[int, float, float, float, float]:
+    def gate_timing(self) -> tuple[int, float, float, float, float, int]:
         """Gates done, seconds in them, and of those seconds: waiting for the stream (sampled
-        ids published, an area copied), in ``commit_many``, in ``fill_rows``;
-        ``benchmarks/profile_step.py`` reads it."""
-        return self._gates, self._gate_s, self._waited_s, self._commit_s, self._fill_s
+        ids published, an area copied), in ``commit_many``, in ``fill_rows``; then how many
+        gates were alone; ``benchmarks/profile_step.py`` reads it."""
+        return (
+            self._gates,
+            self._gate_s,
+            self._waited_s,
+            self._commit_s,
+            self._fill_s,
+            self._alone,
+        )
 
     def _wait_tokens(self, board: GrammarBoard, gate: int, timeout_s: float) -> None:
         """Until the stream published ``gate``'s sampled ids."""
@@ -505,12 +544,21 @@ def split_cores(count: int) -> list[list[int] | None]:
 
 
 def _pin(manager_options: dict, cores: list[int] | None) -> dict:
-    """Keep the child (and llguidance's executor threads, which inherit its affinity) on
-    ``cores``, with at most one executor thread per core."""
+    """Keep this thread (and the threads it starts from now on, llguidance's executor threads
+    among them: they inherit its affinity) on ``cores``, with at most one executor thread per
+    core."""
     if not cores:
         return manager_options
     os.sched_setaffinity(0, cores)
     return {**manager_options, "threads": min(manager_options["threads"], len(cores))}
+
+
+def _executor(threads: int) -> Any:
+    """An llguidance executor of ``threads`` threads (None for one: the caller's thread fills,
+    as ``StructuredOutputManager`` does)."""
+    from llguidance import LLExecutor
+
+    return LLExecutor(threads) if threads > 1 else None
 
 
 class _Inbox:
@@ -546,12 +594,16 @@ class _Inbox:
 
 
 def _serve(
-    conn: Connection, tokenizer: str, manager_options: dict, cores: list[int] | None
+    conn: Connection,
+    tokenizer: str,
+    manager_options: dict,
+    cores: list[int] | None,
+    spare: list[int] | None,
 ) -> None:
     """The child: build the manager, then answer calls until shutdown or a closed pipe."""
     torch.set_num_threads(1)
     try:
-        grammars = _Grammars(tokenizer, _pin(manager_options, cores))
+        grammars = _Grammars(tokenizer, manager_options, cores, spare)
     except Exception as e:  # noqa: BLE001 - reported to the rank, which refuses structured output
         conn.send((False, f"structured output initialization failed: {e!r}"))
         return

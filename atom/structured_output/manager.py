@@ -391,7 +391,12 @@ class StructuredOutputManager:
         self._mask_geometry: tuple[torch.Tensor, int, int, int, np.ndarray] | None = None
         self._executor = ThreadPoolExecutor(compile_threads, thread_name_prefix="atom-grammar")
         self._lane_executor = ThreadPoolExecutor(1, thread_name_prefix="atom-grammar-lanes")
-        self._mask_executor = LLExecutor(self.threads) if self.threads > 1 else None
+        # What fills and commits the rows of different requests at once (None: one by one on
+        # the caller's thread). A grammar process replaces it gate by gate: one over every spare
+        # core when no other process has rows in the gate, else one over its own share.
+        self.mask_executor: LLExecutor | None = (
+            LLExecutor(self.threads) if self.threads > 1 else None
+        )
         self._lane_added = False  # since the last ``_spread_lanes``
 
     # ---- admission ---------------------------------------------------------------------------
@@ -565,7 +570,7 @@ class StructuredOutputManager:
         where consuming in turn took 0.70 (``bench_grammar_step.py``'s consume columns,
         benchmarks/results/h200_2026-12-04k); on this repo's 2-core CPU machine they tie.
         """
-        updates, states, executor = list(updates), self._states, self._mask_executor
+        updates, states, executor = list(updates), self._states, self.mask_executor
         if executor is None or len({request_id for request_id, _ in updates}) < len(updates):
             for request_id, tokens in updates:
                 if request_id in states:
@@ -628,7 +633,7 @@ class StructuredOutputManager:
             if state.wants_mask(words, row):
                 jobs.append((state.matcher, row))
                 computed.append(state)
-        if self._mask_executor is not None and len(jobs) > 1:  # one lane per thread, mostly
+        if self.mask_executor is not None and len(jobs) > 1:  # one lane per thread, mostly
             order = sorted(range(len(jobs)), key=lambda k: computed[k].lane)
             jobs, computed = [jobs[k] for k in order], [computed[k] for k in order]
         self._compute_rows(jobs, base, row_bytes, num_rows)
@@ -642,9 +647,9 @@ class StructuredOutputManager:
         self, jobs: list[tuple[LLMatcher, int]], base: int, row_bytes: int, num_rows: int
     ) -> None:
         """llguidance's mask of each (matcher, row), written through the buffer's pointer."""
-        if self._mask_executor is not None and len(jobs) > 1:
+        if self.mask_executor is not None and len(jobs) > 1:
             try:
-                self._mask_executor.unsafe_compute_mask_ptr(jobs, base, row_bytes, num_rows)
+                self.mask_executor.unsafe_compute_mask_ptr(jobs, base, row_bytes, num_rows)
                 return
             except RuntimeError:  # "Already borrowed": one request listed twice; one by one
                 pass

@@ -375,8 +375,9 @@ class StructuredOutputWorker:
         self, parts: list[tuple[int, list[GateCommit] | None, list[RowJob]]]
     ) -> tuple[int, list[tuple[int, list[RowJob], bool]]]:
         """A new gate to each ``(child, commits, jobs)`` of ``parts`` (commits None: the
-        child's last gate again); the gate and its members, each with whether it was sent (a
-        child that failed is reported by ``gate_errors``)."""
+        child's last gate again, alone if it was); the gate and its members, each with whether
+        it was sent (a child that failed is reported by ``gate_errors``). A child alone in a
+        gate fills it on every spare core (``_Grammars``)."""
         self._gate += 1
         gate, members = self._gate, []
         for child, commits, jobs in parts:
@@ -385,7 +386,7 @@ class StructuredOutputWorker:
                 if commits is None:
                     process.send_repeat_gate(gate)
                 else:
-                    process.send_gate(gate, commits, jobs)
+                    process.send_gate(gate, commits, jobs, alone=len(parts) == 1)
             except GrammarProcessError:
                 members.append((child, jobs, False))
                 continue

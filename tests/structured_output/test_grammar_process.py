@@ -612,3 +612,83 @@ def test_a_child_that_exits_releases_its_board_at_once(smollm2_dir):
         assert process.dead_reason is None  # nothing here talked to the child
     finally:
         process.shutdown()
+
+
+def _allowed_cores(pid: int) -> dict[int, str]:
+    """Each thread of process ``pid`` and the cores it may run on (Cpus_allowed_list)."""
+    allowed = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/status") as status:
+            for line in status:
+                if line.startswith("Cpus_allowed_list:"):
+                    allowed[int(tid)] = line.split(":")[1].strip()
+    return allowed
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to share out")
+def test_a_gate_alone_fills_on_every_spare_core(smollm2_dir):
+    """A child pinned to one of two spare cores keeps its own thread there, and fills a gate
+    that no other child takes part in (``alone``, and its repeats) on an executor whose threads
+    may run on both; the rows are the same either way."""
+    from atom.model_engine.tokenizer import load_tokenizer
+    from atom.structured_output.backend_guidance import tokenizer_fingerprint
+    from atom.structured_output.grammar_board import COPIED, TOKENS
+    from atom.structured_output.grammar_process import GrammarProcess
+
+    own, spare = sorted(os.sched_getaffinity(0))[:2][:1], sorted(os.sched_getaffinity(0))[:2]
+    options = {"vocab_size": 49152, "stop_token_ids": [2], "threads": 2, "whitespace": "space"}
+    process = GrammarProcess(str(smollm2_dir), options, timeout_s=30, cores=own, spare=spare)
+    try:
+        allowed = _allowed_cores(process.pid)
+        assert allowed[process.pid] == str(own[0])
+        assert sum(cores == f"{spare[0]}-{spare[1]}" for cores in allowed.values()) >= 2
+        board = process.map_board(4, 49152 // 32, torch.device("cpu"))
+        fingerprint = tokenizer_fingerprint(load_tokenizer(str(smollm2_dir)), [2], 49152)
+        assert process.call("admit", _spec(), fingerprint, 49152, 30.0).status == "ready"
+        assert process.call("prepare", [("a", _spec()), ("b", _spec())])["b"].status == "ready"
+        board.set(COPIED, 4)
+        (brace,) = load_tokenizer(str(smollm2_dir)).encode("{", add_special_tokens=False)
+        board.ring[:] = brace  # what each gate sampled: the answer's first token
+        board.set(TOKENS, 4)
+        jobs = [(1, "a", [], 0), (2, "b", [], 1)]  # two rows: filled on the executor
+        process.send_gate(1, [], jobs, alone=True)
+        assert process.answer_of(("gate", 1)) == {}
+        first = board.rows(1)[:2].clone()
+        process.send_repeat_gate(2)  # commits "{", fills after it, alone
+        process.send_gate(3, [], jobs, alone=False)  # commits nothing: the same state
+        assert [process.answer_of(("gate", gate)) for gate in (2, 3)] == [{}, {}]
+        assert torch.equal(board.rows(2)[:2], board.rows(3)[:2])  # areas 0 and 1
+        assert not torch.equal(first, board.rows(2)[:2])
+        gates, *_, alone = process.call("gate_timing")
+        assert (gates, alone) == (3, 2)  # gate 1 and its repeat
+    finally:
+        process.shutdown()
+
+
+def test_a_gate_is_alone_while_one_grammar_process_has_rows_in_it(request, monkeypatch):
+    """Two requests over two grammar processes: while both decode, their gates go to both
+    children, neither alone; once the short one ended, the other child's gates are alone."""
+    from atom.structured_output import grammar_pool
+
+    monkeypatch.setattr(grammar_pool, "SHARE_FROM", 1)  # the second request to the second child
+    engine = _engine(request, True, processes=2)
+    try:
+        spec = _spec()
+        long = SamplingParams(temperature=0.0, max_tokens=40, structured_output=spec)
+        short = SamplingParams(temperature=0.0, max_tokens=4, structured_output=spec)
+        prompt = _prompt(engine, "Give a person as JSON.")
+        owners = {}
+
+        def note_owners(engine: LLMEngine) -> None:
+            pool = _worker(engine).pool  # started with the first constrained request
+            held = pool.owners if pool is not None else {}
+            owners.update((rid, held[rid]) for rid in ("long", "short") if rid in held)
+
+        final = _run(engine, {"long": (prompt, long), "short": (prompt, short)}, note_owners)
+        assert final["short"].finish_reason == "length"
+        assert len(final["long"].output_token_ids) > 8
+        assert owners["long"] != owners["short"]
+        gates, *_, alone = _worker(engine).pool.processes[owners["long"]].call("gate_timing")
+        assert 0 < alone < gates
+    finally:
+        engine.shutdown()

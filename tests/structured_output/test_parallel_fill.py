@@ -145,8 +145,8 @@ def raw_differs(mgr: StructuredOutputManager, rid: str, row: torch.Tensor) -> bo
 def test_parallel_fill_is_bit_identical_to_serial(managers) -> None:
     """60 requests stepped 24 times on both managers: the same rows, errors and commits."""
     parallel, serial = managers
-    assert parallel.threads == 4 and parallel._mask_executor is not None
-    assert serial.threads == 1 and serial._mask_executor is None
+    assert parallel.threads == 4 and parallel.mask_executor is not None
+    assert serial.threads == 1 and serial.mask_executor is None
     reqs = requests(parallel, 60)
     for mgr in managers:
         for r in reqs:
