@@ -149,6 +149,58 @@ def test_graphs_decode_the_same_tokens_as_eager(cuda_engines, monkeypatch, batch
     assert padded in sizes and set(sizes) <= set(graph_batch_sizes(16))
 
 
+@pytest.fixture(scope="module")
+def varied_llama_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama's shape with untied, larger random weights (fixed seed): its greedy
+    tokens vary from step to step and depend on attention (the tied tiny model mostly repeats
+    one token), so that a wrong key, position or block shows in them."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("varied-llama")
+    config = LlamaConfig.from_pretrained(tiny_llama_dir)
+    config.tie_word_embeddings, config.initializer_range = False, 0.2
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    AutoTokenizer.from_pretrained(tiny_llama_dir).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_greedy_parity_with_transformers_on_cuda(varied_llama_dir, enforce_eager):
+    """Every request of a continuous batch (prompts of one to six KV blocks), decoded with
+    CUDA graphs and asynchronous scheduling or eagerly, through the paged Triton attention,
+    gets the greedy tokens transformers generates for it alone on the same GPU (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(10, 40000, (n,), generator=g).tolist() for n in (5, 17, 40, 90)]
+    max_tokens = [24, 12, 20, 16]
+    hf = AutoModelForCausalLM.from_pretrained(varied_llama_dir, dtype=torch.float32)
+    hf = hf.to("cuda").eval()
+    hf.generation_config.eos_token_id = None  # the engine ignores EOS too
+    expected = []
+    for ids, n in zip(prompts, max_tokens, strict=True):
+        with torch.inference_mode():
+            out = hf.generate(
+                torch.tensor([ids], device="cuda"),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"),
+                max_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        expected.append(out[0, len(ids) :].tolist())
+    del hf
+    assert all(len(set(tokens)) > len(tokens) // 2 for tokens in expected)  # not one repeated
+    llm = _cuda_llm(varied_llama_dir, enforce_eager)
+    assert _greedy(llm, prompts, max_tokens) == expected
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def _admit(llm: LLM, spec) -> None:
     """Admit `spec` on every rank before the request is queued, so that both engines schedule
     the same steps (the grammar is bound at once)."""
