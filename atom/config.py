@@ -93,7 +93,8 @@ class EngineConfig:
     # 16/64/256 with it, 1.60/1.84/1.83 without.
     structured_output_grammar_process: bool | None = None
     # How many grammar processes a rank splits its constrained requests over, each on its own
-    # share of the cores (structured_output/grammar_pool.py). None: one per
+    # share of the cores (all of them for a step only one process has rows in;
+    # structured_output/grammar_pool.py). None: one per
     # CORES_PER_GRAMMAR_PROCESS cores the engine thread leaves free (2 on a 16-core host), one
     # with speculative decoding, whose steps wait for one process's rows.
     structured_output_grammar_processes: int | None = None
