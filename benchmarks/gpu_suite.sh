@@ -90,9 +90,10 @@
 #                                          Triton, torch.compile max-autotune; ~4-9 minutes)
 #   bash benchmarks/gpu_suite.sh hooks_probe (a gate's calls back to back and with cold caches,
 #                                          then gates_profile; ~5 minutes)
-#   BASELINE=.baseline [ROUNDS=1] bash benchmarks/gpu_suite.sh alone_ab (greedy parity with
-#                                          transformers, the grammar processes' GPU tests, then
-#                                          structured_ab; ~5 minutes a round)
+#   BASELINE=.baseline [ROUNDS=1 ALONE_K=...] bash benchmarks/gpu_suite.sh alone_ab (greedy
+#                                          parity with transformers, the grammar processes' GPU
+#                                          tests (those ALONE_K selects), then structured_ab;
+#                                          ~5 minutes a round)
 #   bash benchmarks/gpu_suite.sh child_probe (a grammar process's gate on 1, 3, 7 and 14 threads
 #                                          of the host's cores, and their topology; ~3 minutes)
 #   [RACE_PROBES="add ..." RACE_VARIANTS="graphs-async"] bash benchmarks/gpu_suite.sh racecheck
@@ -522,7 +523,7 @@ child_probe() {  # a grammar process's repeated gate on the H200's host (no GPU 
 }
 alone_ab() {  # greedy parity with transformers and the grammar processes' GPU tests, then
     # structured_ab (a gate one grammar process alone takes part in fills on every spare core)
-    step pytest_alone 150 python3 -m pytest -q -m gpu --durations=5 -k "parity or grammar_process" \
+    step pytest_alone 150 python3 -m pytest -q -m gpu --durations=5 -k "${ALONE_K-parity or grammar_process}" \
         tests/model_engine/test_cuda_graph.py tests/structured_output/test_grammar_process.py
     structured_ab
 }
