@@ -13,7 +13,8 @@ methods of this process's engine instances (nothing in `atom` changes):
   `sampling_tensors` (ModelRunner._sampling_tensors); `host` is their sum, `us/seq` that sum per
   sequence. `update` and `take_output` nest in `read`;
 - compute: `model` (the forward), `logits`, `sample`; `forward` (ModelRunner._forward) holds
-  `build_inputs` and `model`; `step` is the wall time of `LLMEngine.step`;
+  `fill` (the inputs the host has not read yet, taken on the device from the step that sampled
+  them) and `model`; `step` is the wall time of `LLMEngine.step`;
 - garbage collection: `gc` is the time the collector ran during the step (``gc.callbacks``),
   on whichever segment it interrupted. Its pauses fall in a few steps, which a median hides:
   `step_mean` and `gc_mean` are means over the timed steps.
@@ -48,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 FIRST_ORDINARY_ID = 17  # SmolLM2's ids below it are special tokens
 HOST = ("schedule", "read", "build_inputs", "sampling_tensors")
-NESTED = ("update", "take_output", "forward", "model", "logits", "sample")
+NESTED = ("update", "take_output", "forward", "fill", "model", "logits", "sample")
 MEANS = ("step_mean", "gc_mean")
 COLUMNS = ("step", *HOST, *NESTED, "host", "us/seq", *MEANS)
 
@@ -87,6 +88,7 @@ def instrument(engine: Any, segments: Any) -> None:
         (model_runner, "build_step_inputs", "build_inputs"),
         (runner, "_sampling_tensors", "sampling_tensors"),
         (runner, "_forward", "forward"),
+        (runner, "_fill_placeholders", "fill"),
         (runner.model, "forward", "model"),
         (runner.model, "compute_logits", "logits"),
         (runner, "sampler", "sample"),
@@ -119,7 +121,7 @@ def decode_batch(engine: Any, segments: Any, n: int, args: argparse.Namespace) -
     collecting = GcTimer()
     vocab = range(FIRST_ORDINARY_ID, engine.hf_config.vocab_size)
     prompts = [random.Random(i).choices(vocab, k=args.prompt_tokens) for i in range(n)]
-    bss.add_requests(engine, prompts, [None] * n, args)
+    add_requests(engine, prompts, args)
     finals: dict[str, Any] = {}
     timed: list[dict[str, float]] = []
     while engine.has_unfinished_requests():
@@ -144,6 +146,18 @@ def decode_batch(engine: Any, segments: Any, n: int, args: argparse.Namespace) -
     ordered = [finals[r] for r in sorted(finals, key=lambda r: int(r[1:]))]
     digest = hashlib.sha256(repr([(o.output_token_ids, o.text) for o in ordered]).encode())
     return {"steps": len(timed), **row, "digest": digest.hexdigest()[:16]}
+
+
+def add_requests(engine: Any, prompts: list[list[int]], args: argparse.Namespace) -> None:
+    """Greedy requests of `--max-tokens` each, final-only with `--final-only` (as
+    `LLM.generate` and a non-streamed API request are: no output per step)."""
+    from atom.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, final_only=args.final_only
+    )
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
 
 
 class GcTimer:
@@ -174,7 +188,6 @@ def run_side(args: argparse.Namespace) -> None:
 
     assert Path(atom.__file__).resolve().is_relative_to(args.side.resolve()), atom.__file__
     torch.set_num_threads(args.torch_threads)
-    args.plain_max_tokens = args.max_tokens
     rows = []
     for mode in args.modes:
         engine = make_engine(args.model_dir, mode == "async", max(args.batches))
@@ -208,6 +221,7 @@ def common_args(args: argparse.Namespace) -> list[str]:
         str(args.torch_threads),
         "--model-dir",
         str(args.model_dir),
+        *(["--final-only"] if args.final_only else []),
     ]
 
 
@@ -285,6 +299,9 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
     ap.add_argument("--torch-threads", type=int, default=1)
+    ap.add_argument(
+        "--final-only", action="store_true", help="requests report their final output only"
+    )
     before_after_args(ap)
     return ap.parse_args()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,7 +49,6 @@ class DeferredOutput:
         copy_stream: torch.cuda.Stream | None = None,
     ):
         self.seq_ids = seq_ids  # host mirror: row i was sampled for sequence seq_ids[i]
-        self.rows = {seq_id: i for i, seq_id in enumerate(seq_ids)}
         self.token_ids = token_ids  # [R] on the device, read by the next step's inputs
         self.next_input_ids = token_ids
         self.errors = errors
@@ -63,6 +63,12 @@ class DeferredOutput:
         # (that copy waits for the gate's rows; the call releases them if the child failed).
         self.gate: int | None = None
         self.pending_errors: Callable[[], dict[int, str]] | None = None
+
+    @cached_property
+    def rows(self) -> dict[int, int]:
+        """The row of each sequence id (built when first asked: a decode step whose batch
+        is the one before it takes its inputs without it, `ModelRunner._fill_placeholders`)."""
+        return {seq_id: i for i, seq_id in enumerate(self.seq_ids)}
 
     @classmethod
     def empty(cls) -> DeferredOutput:

@@ -70,6 +70,8 @@ def _failure(e: Exception) -> str:
 class _RequestState:
     seq: Sequence
     detokenizer: IncrementalDetokenizer
+    # The token ids that end it: EOS (unless ignored) and its stop token ids.
+    stop_ids: frozenset[int]
     num_reported: int = 0
     # `final_only`: logprobs of the tokens read so far, reported with the final output, and
     # when the first token was read (`RequestOutput.first_token_time`).
@@ -89,7 +91,7 @@ class EngineCore:
         self.config = config
         self.executor = executor
         self.tokenizer = tokenizer
-        self.eos_token_ids = set(eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -109,12 +111,12 @@ class EngineCore:
     def add_request(self, seq: Sequence) -> None:
         """Accept a request (a constrained one waits in the scheduler for its grammar)."""
         params = seq.params
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        stop_ids = eos | frozenset(params.stop_token_ids)
         if params.min_tokens and not params.min_tokens_stop_ids:
-            eos = set() if params.ignore_eos else self.eos_token_ids
-            stops = tuple(sorted(eos | set(params.stop_token_ids)))
-            seq.params = dataclasses.replace(params, min_tokens_stop_ids=stops)
+            seq.params = dataclasses.replace(params, min_tokens_stop_ids=tuple(sorted(stop_ids)))
         self.states[seq.request_id] = _RequestState(
-            seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params)
+            seq, IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params), stop_ids
         )
         self.scheduler.add(seq)
 
@@ -329,11 +331,10 @@ class EngineCore:
 
     def _stop_check(self, seq: Sequence, state: _RequestState, token: int) -> None:
         stop_str = state.detokenizer.push(token)
-        params = seq.params
-        if token in self.eos_token_ids and not params.ignore_eos:
-            self.scheduler.finish(seq, "stop")
-        elif token in params.stop_token_ids:
-            self.scheduler.finish(seq, "stop", token)
+        if token in state.stop_ids:  # EOS, or one of its stop token ids
+            eos = token in self.eos_token_ids and not seq.params.ignore_eos
+            stop_token = None if eos else token
+            self.scheduler.finish(seq, "stop", stop_token)
         elif stop_str is not None:
             self.scheduler.finish(seq, "stop", stop_str)
         elif seq.num_known_tokens >= seq.max_len:

@@ -265,7 +265,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, batch: ScheduledBatch) -> DeferredOutput | _Unsampled:
-        sample_seqs = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        sample_seqs = list(compress(batch.seqs, batch.sampling))
         gate = self._send_gate(batch, sample_seqs)
         staged = self._stage(batch) if batch.seqs else None
         self._queue_sampling()  # the previous step's, which this one's inputs may read
@@ -495,8 +495,15 @@ class ModelRunner:
         sequences also move on the device by the drafts it accepted (`_shift_rows`)."""
         seq_ids = step.placeholder_seq_ids
         outs = [self._sampled_in[seq_id] for seq_id in seq_ids]
-        if outs and outs.count(outs[0]) == len(outs):  # the common case: one step sampled all
-            groups = [(outs[0], step.placeholder_rows, seq_ids, step.placeholder_seqs)]
+        dst = step.placeholder_rows
+        if outs and outs.count(outs[0]) == len(outs):  # one step sampled all
+            out = outs[0]
+            # The common decode step: that step sampled exactly these sequences, in this order,
+            # and their inputs are rows 0..k-1 (ascending: the last row tells).
+            if type(out) is DeferredOutput and out.seq_ids == seq_ids and dst[-1] == len(dst) - 1:
+                input_ids[: len(dst)].copy_(out.next_input_ids)
+                return
+            groups = [(out, dst, seq_ids, step.placeholder_seqs)]
         else:
             groups = _group_by_output(outs, step)
         for out, dst, ids, owners in groups:

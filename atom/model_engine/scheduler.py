@@ -70,10 +70,6 @@ class ScheduledBatch:
         placeholders = [GrammarUpdate(r, [PLACEHOLDER], s) for r, s in self.grammar_placeholders]
         return self.grammar_updates + placeholders
 
-    def samples(self, i: int) -> bool:
-        """Does row i reach the end of its sequence (so a token is sampled)?"""
-        return self.sampling[i]
-
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
