@@ -242,6 +242,7 @@ def _preempted(request, processes: int) -> tuple[dict, list, int]:
     block = 737280  # SmolLM2's K and V of 16 tokens in float32 (30 layers, 3 heads of 64)
     engine = _engine(request, processes > 0, "cpu", processes or None, 9 * block, 128)
     try:
+        _compile_everywhere(engine)
         constrained = SamplingParams(temperature=0.0, max_tokens=40, structured_output=_spec())
         requests = {
             f"json-{i}": (_prompt(engine, f"Give person number {i} as JSON."), constrained)
@@ -265,6 +266,23 @@ def _preempted(request, processes: int) -> tuple[dict, list, int]:
         return answers, preempted, _worker(engine).gates_sent
     finally:
         engine.shutdown()
+
+
+def _compile_everywhere(engine: LLMEngine) -> None:
+    """Compile the schema in the rank and every grammar process first, as the server's
+    admission does: the requests then are all ready at their first poll and start together.
+    Else each grammar process compiles it when its first request asks, and under load one
+    may finish so much later that its requests start after the others ended, and nothing is
+    preempted."""
+    from atom.structured_output.admission import api_fingerprint, rank_results_ready
+
+    vocab = engine.hf_config.vocab_size
+    fingerprint = api_fingerprint(engine.tokenizer, list(engine.eos_token_ids), vocab)
+    deadline = time.monotonic() + 120
+    while not rank_results_ready(
+        engine.collective_rpc("structured_output_admit", _spec(), fingerprint, vocab, 1.0)
+    ):
+        assert time.monotonic() < deadline, "the schema did not compile in 120 s"
 
 
 @pytest.fixture(scope="module")
