@@ -341,7 +341,7 @@ class _Grammars:
         (``bench_child_gate.py``, 64 integer-array rows, benchmarks/results/h200_2026-12-05c):
         1.00 ms a gate on 7 threads, 0.73 on 14."""
         from atom.model_engine.tokenizer import load_tokenizer
-        from atom.structured_output.manager import StructuredOutputManager
+        from atom.structured_output.manager import StructuredOutputManager, new_mask_executor
 
         wide = spare if cores and spare and set(cores) < set(spare) else cores
         self.manager = StructuredOutputManager(
@@ -349,7 +349,7 @@ class _Grammars:
         )
         own = self.manager.mask_executor
         if wide != cores:
-            own = _executor(_pin(manager_options, cores)["threads"])
+            own = new_mask_executor(_pin(manager_options, cores)["threads"])
         # The executor of a gate, by whether it is alone (``gate``).
         self.executors = {True: self.manager.mask_executor, False: own}
         self.board: GrammarBoard | None = None
@@ -551,14 +551,6 @@ def _pin(manager_options: dict, cores: list[int] | None) -> dict:
         return manager_options
     os.sched_setaffinity(0, cores)
     return {**manager_options, "threads": min(manager_options["threads"], len(cores))}
-
-
-def _executor(threads: int) -> Any:
-    """An llguidance executor of ``threads`` threads (None for one: the caller's thread fills,
-    as ``StructuredOutputManager`` does)."""
-    from llguidance import LLExecutor
-
-    return LLExecutor(threads) if threads > 1 else None
 
 
 class _Inbox:

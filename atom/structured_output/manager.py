@@ -39,9 +39,9 @@ from atom.structured_output.grammar_lanes import CompiledGrammar
 from atom.structured_output.json_keys import KeyTokenIndex, KeyTracker, may_repeat_keys
 
 if TYPE_CHECKING:
-    from llguidance import LLMatcher
+    from llguidance import LLExecutor, LLMatcher
 
-__all__ = ["AdmissionResult", "GrammarState", "StructuredOutputManager"]
+__all__ = ["AdmissionResult", "GrammarState", "StructuredOutputManager", "new_mask_executor"]
 
 JSON_WHITESPACE = b" \t\r\n"
 REJECTED = "structured output: the grammar rejected a generated token"
@@ -60,6 +60,14 @@ class AdmissionResult:
 @dataclass(frozen=True)
 class _Failed:
     message: str
+
+
+def new_mask_executor(threads: int) -> LLExecutor | None:
+    """An llguidance executor of ``threads`` threads that fills and commits the rows of
+    different requests at once; None for one thread (the caller's thread does it)."""
+    from llguidance import LLExecutor
+
+    return LLExecutor(threads) if threads > 1 else None
 
 
 def _grammar_source(spec: Any) -> tuple[str, dict | bool | str]:
@@ -356,8 +364,6 @@ class StructuredOutputManager:
         """``threads``: llguidance executor threads filling the rows of different requests at
         once (``EngineConfig.structured_output_threads``; default ``default_grammar_threads()``);
         1 fills them one by one on the caller's thread."""
-        from llguidance import LLExecutor
-
         from atom.structured_output.backend_guidance import tokenizer_fingerprint
 
         self.threads = default_grammar_threads() if threads is None else threads
@@ -394,9 +400,7 @@ class StructuredOutputManager:
         # What fills and commits the rows of different requests at once (None: one by one on
         # the caller's thread). A grammar process replaces it gate by gate: one over every spare
         # core when no other process has rows in the gate, else one over its own share.
-        self.mask_executor: LLExecutor | None = (
-            LLExecutor(self.threads) if self.threads > 1 else None
-        )
+        self.mask_executor: LLExecutor | None = new_mask_executor(self.threads)
         self._lane_added = False  # since the last ``_spread_lanes``
 
     # ---- admission ---------------------------------------------------------------------------

@@ -653,7 +653,8 @@ def test_a_gate_alone_fills_on_every_spare_core(smollm2_dir):
     from atom.structured_output.grammar_board import COPIED, TOKENS
     from atom.structured_output.grammar_process import GrammarProcess
 
-    own, spare = sorted(os.sched_getaffinity(0))[:2][:1], sorted(os.sched_getaffinity(0))[:2]
+    spare = sorted(os.sched_getaffinity(0))[:2]
+    own = spare[:1]
     options = {"vocab_size": 49152, "stop_token_ids": [2], "threads": 2, "whitespace": "space"}
     process = GrammarProcess(str(smollm2_dir), options, timeout_s=30, cores=own, spare=spare)
     try:
