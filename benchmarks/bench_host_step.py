@@ -9,7 +9,7 @@ one read in it) holds every request decoding is timed by segment, with timers wr
 methods of this process's engine instances (nothing in `atom` changes):
 
 - host: `schedule` (Scheduler.schedule), `read` (EngineCore._read: the runner's output, then
-  `update` and per request `_process`), `build_inputs` (step_inputs.build_step_inputs) and
+  `update` and per request `_process`), `build_inputs` (the runner's StepInputsBuilder.build) and
   `sampling_tensors` (ModelRunner._sampling_tensors); `host` is their sum, `us/seq` that sum per
   sequence. `update` and `take_output` nest in `read`;
 - compute: `model` (the forward), `logits`, `sample`; `forward` (ModelRunner._forward) holds
@@ -80,12 +80,15 @@ def instrument(engine: Any, segments: Any) -> None:
 
     (core,) = engine.cores
     (runner,) = engine.executor.workers
+    # The runner's step-inputs builder; a checkout before it (a baseline) has the function.
+    builder = getattr(runner, "step_inputs", None)
+    inputs = (builder, "build") if builder is not None else (model_runner, "build_step_inputs")
     wraps = [
         (core.scheduler, "schedule", "schedule"),
         (core.scheduler, "update", "update"),
         (core, "_read", "read"),
         (core.executor, "take_output", "take_output"),
-        (model_runner, "build_step_inputs", "build_inputs"),
+        (*inputs, "build_inputs"),
         (runner, "_sampling_tensors", "sampling_tensors"),
         (runner, "_forward", "forward"),
         (runner, "_fill_placeholders", "fill"),

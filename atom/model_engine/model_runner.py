@@ -44,12 +44,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from atom.config import EngineConfig
-from atom.model_engine.block_table_rows import BlockTableRows
 from atom.model_engine.cuda_graph import DecodeGraphs
 from atom.model_engine.deferred_output import DeferredOutput, RunnerOutput, VerifiedOutput
 from atom.model_engine.scheduler import GrammarUpdate, ScheduledBatch
 from atom.model_engine.sequence import PLACEHOLDER, Sequence
-from atom.model_engine.step_inputs import StepInputs, build_step_inputs
+from atom.model_engine.step_inputs import StepInputs, StepInputsBuilder
 from atom.model_loader.weights import build_model
 from atom.model_ops.attention import prepare_attention
 from atom.model_ops.context import AttentionContext, set_context
@@ -125,9 +124,9 @@ class ModelRunner:
         self.model_path = model_path
         self.hf_config = hf_config
         self.device = resolve_device(config.device)
-        self.block_table_rows = BlockTableRows()  # the running sequences' tables, kept
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
+        self.step_inputs = StepInputsBuilder(config.block_size)  # kept from step to step
         torch.manual_seed(config.seed)
         self.model = build_model(hf_config, model_path, self.dtype, self.device)
         self.sampler = Sampler()
@@ -436,7 +435,7 @@ class ModelRunner:
         if self.graphs is not None and max(batch.num_new_tokens) == 1:
             size = self.graphs.padded_size(n)
         pin = self.device.type == "cuda"
-        step = build_step_inputs(batch, self.block_size, size or n, pin, self.block_table_rows)
+        step = self.step_inputs.build(batch, size or n, pin)
         # A decode graph's buffers take all but the ids now, unless a verification in flight
         # may still move its sequences (`_shift_rows`: speculative decoding).
         on_graph = size is not None and self.speculator is None

@@ -64,6 +64,11 @@ class ScheduledBatch:
     # `len(draft_token_ids[i])` new tokens; `num_new_tokens` counts them); empty lists otherwise.
     draft_token_ids: list[list[int]] = field(default_factory=list)
     has_drafts: bool = False
+    # A steady decode step: its sequences are the previous batch's, in the same order, and
+    # each computes the one token after the one it computed there, with the same block table
+    # but for a block appended (none preempted, admitted or finished in between; no drafts).
+    # The runner advances that step's inputs instead of reading every sequence again.
+    steady: bool = False
 
     def all_grammar_updates(self) -> list[GrammarUpdate]:
         """``grammar_updates`` and ``grammar_placeholders``, as updates."""
@@ -83,6 +88,8 @@ class Scheduler:
         self._awaiting_grammar: dict[str, Sequence] = {}  # WAITING_FOR_GRAMMAR, by request id
         self._finished_seq_ids: list[int] = []
         self.num_preemptions = 0
+        # The previous batch's sequences if it was a decode step (one token each), else empty.
+        self._decoded: list[Sequence] = []
 
     @property
     def num_waiting(self) -> int:
@@ -127,7 +134,21 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(batch, budget)
         self._advance(batch)
+        self._mark_steady(batch)
         return batch
+
+    def _mark_steady(self, batch: ScheduledBatch) -> None:
+        """``batch.steady`` (see there): a decode step whose list of sequences is the previous
+        decode step's. A sequence loses or changes its blocks only when preempted or finished,
+        and either takes it out of the running list (a preempted one is not admitted again in
+        the step that preempted it). Drafts move sequences on by what they accept, so
+        speculative decoding has no steady steps."""
+        decode = bool(batch.seqs) and max(batch.num_new_tokens) == 1
+        if not decode or self.config.speculative_method is not None:
+            self._decoded = []
+            return
+        batch.steady = batch.seqs == self._decoded
+        self._decoded = batch.seqs
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> tuple[int, bool]:
         """Running sequences first, in order; preempts the newest when the cache is full.

@@ -7,12 +7,17 @@ of those two tensors: a call into torch or numpy costs the host far more than a 
 code and data are cold after the model's forward), so a step makes only a handful. On CUDA both
 tensors are pinned so that their copies to the device are asynchronous and the host never waits
 for the GPU here.
+
+A runner builds its steps with a `StepInputsBuilder`, which keeps what one step leaves for the
+next: the block-table rows, and a decode step's positions and tables as arrays. A steady decode
+step (the same sequences, each one token on: `ScheduledBatch.steady`) is that step advanced by
+numpy, which reads a sequence only for its input token or a block it has just gained.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Sequence as Seqs
 from dataclasses import dataclass
 from itertools import accumulate, compress, pairwise
 
@@ -21,7 +26,7 @@ import torch
 
 from atom.model_engine.block_table_rows import BlockTableRows
 from atom.model_engine.scheduler import ScheduledBatch
-from atom.model_engine.sequence import PLACEHOLDER
+from atom.model_engine.sequence import PLACEHOLDER, Sequence
 
 
 @dataclass
@@ -54,7 +59,7 @@ class _Rows:
     ids: list[int]
     positions: list[int]
     slots: list[int]
-    last_rows: Sequence[int]
+    last_rows: Seqs[int]
 
 
 def block_slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -64,6 +69,41 @@ def block_slots(table: list[int], start: int, end: int, block_size: int) -> list
         base = (table[b] - b) * block_size  # slot of position p in block b: base + p
         slots += range(base + max(start, b * block_size), base + min(end, (b + 1) * block_size))
     return slots
+
+
+class StepInputsBuilder:
+    """A runner's step inputs, from step to step. Block tables are kept as rows
+    (`BlockTableRows`), and a steady decode step (`ScheduledBatch.steady`) is the step before
+    it advanced by one token: positions, context lengths and slots come from that step's arrays
+    (a sequence's table is read only where it gained a block), so that the only per-sequence
+    Python left is reading its input token."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.tables = BlockTableRows()
+        self._last: _Decoded | None = None  # the previous step, if it was a decode step
+
+    def build(self, batch: ScheduledBatch, num_rows: int, pin: bool) -> StepInputs:
+        """`build_step_inputs` of `batch`, the way its kind of step allows."""
+        last, self._last = self._last, None
+        if batch.steady and last is not None:
+            step, self._last = _advance(batch, last, self.block_size, num_rows, pin)
+            return step
+        step, decoded = _build(batch, self.block_size, num_rows, pin, self.tables)
+        if max(batch.num_new_tokens) == 1 and not batch.has_drafts:
+            self._last = decoded
+        return step
+
+
+@dataclass
+class _Decoded:
+    """A decode step's real rows: positions [B] int64, block tables [B, width] int32 (host
+    arrays no later step writes), and its sequence ids when every row's input was a
+    placeholder (else None, worked out when needed)."""
+
+    positions: np.ndarray
+    tables: np.ndarray
+    seq_ids: list[int] | None
 
 
 def build_step_inputs(
@@ -76,6 +116,14 @@ def build_step_inputs(
     """The batch's inputs, padded with `num_rows - len(batch.seqs)` one-token padding rows
     (decode steps for a CUDA graph only); `pin` on CUDA. `tables`: the runner's block-table
     rows, kept from step to step (a new one, used once, without)."""
+    return _build(batch, block_size, num_rows, pin, tables or BlockTableRows())[0]
+
+
+def _build(
+    batch: ScheduledBatch, block_size: int, num_rows: int, pin: bool, tables: BlockTableRows
+) -> tuple[StepInputs, _Decoded]:
+    """`build_step_inputs`, reading every sequence; with the step's real rows as arrays (of
+    use only if it is a decode step)."""
     seqs, num_new = batch.seqs, batch.num_new_tokens
     decode = max(num_new) == 1
     rows = _decode_rows(batch, block_size) if decode else _chunk_rows(batch, block_size)
@@ -84,12 +132,15 @@ def build_step_inputs(
     sample_rows = _sample_rows(batch, rows.last_rows)
     longs = rows.ids + zeros + rows.positions + zeros + rows.slots + [-1] * pad + sample_rows
     n = len(rows.ids) + pad
-    input_ids, positions, slots, sampled = _host(longs, np.int64, [n, n, n, len(sample_rows)], pin)
-    context_lens, block_tables = _context_and_tables(batch, pad, pin, tables or BlockTableRows())
+    longs_array = np.array(longs, dtype=np.int64)
+    input_ids, positions, slots, sampled = _fields(longs_array, [n, n, n, len(sample_rows)], pin)
+    ints = _context_and_tables(batch, pad, tables)
+    context_lens, block_tables = _int_fields(ints, len(seqs) + pad, pin)
     # A row whose input is a placeholder (a sequence's oldest, at most one a sequence).
     placeholders = [r for r, token in enumerate(rows.ids) if token == PLACEHOLDER]
     owners = placeholders if decode else [bisect_left(rows.last_rows, r) for r in placeholders]
-    return StepInputs(
+    owner_ids = [seqs[i].seq_id for i in owners]
+    step = StepInputs(
         input_ids=input_ids,
         positions=positions,
         slot_mapping=slots,
@@ -98,9 +149,77 @@ def build_step_inputs(
         query_lens=list(num_new),
         sample_rows=sampled,
         placeholder_rows=placeholders,
-        placeholder_seq_ids=[seqs[i].seq_id for i in owners],
+        placeholder_seq_ids=owner_ids,
         placeholder_seqs=owners,
     )
+    b = len(seqs)
+    table_rows = ints[b + pad :].reshape(b + pad, -1)[:b]
+    decoded = _Decoded(longs_array[n : n + b], table_rows, owner_ids if len(owners) == b else None)
+    return step, decoded
+
+
+def _advance(
+    batch: ScheduledBatch, last: _Decoded, block_size: int, num_rows: int, pin: bool
+) -> tuple[StepInputs, _Decoded]:
+    """A steady decode step: `last` one token on. Its input tokens are read per sequence (a
+    placeholder, or with synchronous scheduling the token read last step); the block tables
+    change only in the rows that entered a new block."""
+    seqs = batch.seqs
+    b = len(seqs)
+    positions = last.positions + 1
+    tables = _grown_tables(seqs, last.tables, positions, block_size)
+    blocks = tables[np.arange(b), positions // block_size].astype(np.int64)
+    ids = [seq.token_ids[s] for seq, s in zip(seqs, batch.num_computed_before, strict=True)]
+    sample_rows = list(compress(range(b), batch.sampling))
+    n = num_rows
+    longs = np.zeros(3 * n + len(sample_rows), dtype=np.int64)
+    longs[:b] = ids
+    longs[n : n + b] = positions
+    longs[2 * n : 2 * n + b] = blocks * block_size + positions % block_size
+    longs[2 * n + b : 3 * n] = -1
+    longs[3 * n :] = sample_rows
+    input_ids, positions_t, slots, sampled = _fields(longs, [n, n, n, len(sample_rows)], pin)
+    width = tables.shape[1]
+    ints = np.zeros(num_rows * (1 + width), dtype=np.int32)
+    ints[:b] = positions + 1
+    ints[num_rows : num_rows + b * width] = tables.ravel()
+    context_lens, block_tables = _int_fields(ints, num_rows, pin)
+    placeholders = [r for r, token in enumerate(ids) if token == PLACEHOLDER]
+    if len(placeholders) == b:
+        seq_ids = last.seq_ids or [seq.seq_id for seq in seqs]
+        owner_ids = seq_ids
+    else:
+        seq_ids, owner_ids = None, [seqs[r].seq_id for r in placeholders]
+    step = StepInputs(
+        input_ids=input_ids,
+        positions=positions_t,
+        slot_mapping=slots,
+        block_tables=block_tables,
+        context_lens=context_lens,
+        query_lens=list(batch.num_new_tokens),
+        sample_rows=sampled,
+        placeholder_rows=placeholders,
+        placeholder_seq_ids=owner_ids,
+        placeholder_seqs=placeholders,
+    )
+    return step, _Decoded(positions, tables, seq_ids)
+
+
+def _grown_tables(
+    seqs: list[Sequence], tables: np.ndarray, positions: np.ndarray, block_size: int
+) -> np.ndarray:
+    """`tables` with the block of each row whose position starts a block (a new one, which
+    the scheduler has just appended to its table), widened if that needs a column more."""
+    entering = np.flatnonzero(positions % block_size == 0)
+    if not len(entering):
+        return tables
+    columns = positions[entering] // block_size
+    width = max(tables.shape[1], int(columns.max()) + 1)
+    grown = np.zeros((len(seqs), width), dtype=np.int32)
+    grown[:, : tables.shape[1]] = tables
+    for row, column in zip(entering.tolist(), columns.tolist(), strict=True):
+        grown[row, column] = seqs[row].block_table[column]
+    return grown
 
 
 def _decode_rows(batch: ScheduledBatch, block_size: int) -> _Rows:
@@ -129,7 +248,7 @@ def _chunk_rows(batch: ScheduledBatch, block_size: int) -> _Rows:
     return rows
 
 
-def _sample_rows(batch: ScheduledBatch, last_rows: Sequence[int]) -> list[int]:
+def _sample_rows(batch: ScheduledBatch, last_rows: Seqs[int]) -> list[int]:
     """Rows whose logits are computed: each sampling sequence's last, after its drafts' rows."""
     if not batch.has_drafts:
         return list(compress(last_rows, batch.sampling))
@@ -140,11 +259,9 @@ def _sample_rows(batch: ScheduledBatch, last_rows: Sequence[int]) -> list[int]:
     return rows
 
 
-def _context_and_tables(
-    batch: ScheduledBatch, pad: int, pin: bool, tables: BlockTableRows
-) -> tuple[torch.Tensor, ...]:
-    """Context lengths [B + pad] and block tables [B + pad, width] (zero-padded), int32, as
-    views of one array (`block_table_rows`)."""
+def _context_and_tables(batch: ScheduledBatch, pad: int, tables: BlockTableRows) -> np.ndarray:
+    """Context lengths [B + pad], then block tables [B + pad, width] (zero-padded), in one
+    int32 array (`_int_fields` cuts it)."""
     seqs = batch.seqs
     width = max(len(seq.block_table) for seq in seqs)
     rows = len(seqs) + pad
@@ -152,14 +269,14 @@ def _context_and_tables(
     before, new = batch.num_computed_before, batch.num_new_tokens
     ints[: len(seqs)] = [s + n for s, n in zip(before, new, strict=True)]
     tables.gather(seqs, width, ints[rows : rows + len(seqs) * width].reshape(len(seqs), width))
+    return ints
+
+
+def _int_fields(ints: np.ndarray, rows: int, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context lengths [rows] and block tables [rows, width], from one int32 array."""
+    width = (len(ints) - rows) // rows
     context_lens, flat = _fields(ints, [rows, rows * width], pin)
     return context_lens, flat.view(rows, width)
-
-
-def _host(values: list[int], dtype: type, sizes: list[int], pin: bool) -> list[torch.Tensor]:
-    """`values` cut into consecutive fields of `sizes`, as host tensors (`_fields`). numpy
-    converts a list of ints several times faster than `torch.tensor`."""
-    return _fields(np.array(values, dtype=dtype), sizes, pin)
 
 
 def _fields(array: np.ndarray, sizes: list[int], pin: bool) -> list[torch.Tensor]:
