@@ -9,9 +9,11 @@ one read in it) holds every request decoding is timed by segment, with timers wr
 methods of this process's engine instances (nothing in `atom` changes):
 
 - host: `schedule` (Scheduler.schedule), `read` (EngineCore._read: the runner's output, then
-  `update` and per request `_process`), `build_inputs` (the runner's StepInputsBuilder.build) and
-  `sampling_tensors` (ModelRunner._sampling_tensors); `host` is their sum, `us/seq` that sum per
-  sequence. `update` and `take_output` nest in `read`;
+  `update` and per request `_process`), `build_inputs` (the runner's StepInputsBuilder.build),
+  `sampling_tensors` (ModelRunner._sampling_tensors) and `execute_rest` (the rest of the
+  runner's host work in a step: `execute`, ModelRunner._execute, less the build, the sampling
+  tensors and the compute columns below); `host` is their sum, `us/seq` that sum per sequence.
+  `update` and `take_output` nest in `read`;
 - compute: `model` (the forward), `logits`, `sample`; `forward` (ModelRunner._forward) holds
   `fill` (the inputs the host has not read yet, taken on the device from the step that sampled
   them) and `model`; `step` is the wall time of `LLMEngine.step`;
@@ -48,8 +50,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 FIRST_ORDINARY_ID = 17  # SmolLM2's ids below it are special tokens
-HOST = ("schedule", "read", "build_inputs", "sampling_tensors")
-NESTED = ("update", "take_output", "forward", "fill", "model", "logits", "sample")
+HOST = ("schedule", "read", "build_inputs", "sampling_tensors", "execute_rest")
+NESTED = ("update", "take_output", "execute", "forward", "fill", "model", "logits", "sample")
+# The model runner's own host work in a step: `execute` but what other columns time in it.
+IN_EXECUTE = ("build_inputs", "sampling_tensors", "forward", "logits", "sample")
 MEANS = ("step_mean", "gc_mean")
 COLUMNS = ("step", *HOST, *NESTED, "host", "us/seq", *MEANS)
 
@@ -90,6 +94,7 @@ def instrument(engine: Any, segments: Any) -> None:
         (core.executor, "take_output", "take_output"),
         (*inputs, "build_inputs"),
         (runner, "_sampling_tensors", "sampling_tensors"),
+        (runner, "_execute", "execute"),
         (runner, "_forward", "forward"),
         (runner, "_fill_placeholders", "fill"),
         (runner.model, "forward", "model"),
@@ -138,6 +143,7 @@ def decode_batch(engine: Any, segments: Any, n: int, args: argparse.Namespace) -
         segments.on = False
         if timer.full_decode(n):
             step = {k: 1000 * v for k, v in segments.total.items()}
+            step["execute_rest"] = step["execute"] - sum(step.get(k, 0.0) for k in IN_EXECUTE)
             step["host"] = sum(step.get(k, 0.0) for k in HOST)
             step["us/seq"] = 1000 * step["host"] / n
             timed.append(step)

@@ -79,14 +79,27 @@ class _Staged(NamedTuple):
 
 
 @dataclass
-class _Unsampled:
-    """A submitted step up to its logits: the sequences that sample (in row order), their
-    logits, raw logprobs where asked, and the grammar work masking those logits, if any."""
+class _SampleRows:
+    """The sequences that sample in a step, in row order, and what their parameters ask of it.
+    A step whose sampling sequences are the previous step's (a batch that keeps decoding) uses
+    the previous step's object as it is, its sampling tensors included (`_sample_rows`)."""
 
     seqs: list[Sequence]
+    seq_ids: list[int]
+    want: list[int | None]  # logprobs asked, per row
+    logprobs: bool  # any row asks for logprobs
+    penalized: bool  # any row has a repetition, frequency or presence penalty
+    sampling: SamplingTensors | None = None  # built on first use
+
+
+@dataclass
+class _Unsampled:
+    """A submitted step up to its logits: the sequences that sample, their logits, raw
+    logprobs where asked, and the grammar work masking those logits, if any."""
+
+    rows: _SampleRows
     logits: torch.Tensor | None
     raw_logprobs: torch.Tensor | None
-    want: list[int | None]
     masking: Future | None = None  # the grammar work masking `logits`; its result: errors
     drafts: list[list[int]] | None = None  # per sequence, when the step verifies drafts
 
@@ -141,6 +154,7 @@ class ModelRunner:
         self._submitted: deque[DeferredOutput | VerifiedOutput] = deque()  # not taken yet
         self._sampled_in: dict[int, DeferredOutput] = {}  # seq id -> its latest sampling step
         self._unsampled: _Unsampled | None = None  # submitted, sampling waits for grammar rows
+        self._last_sample_rows: _SampleRows | None = None
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._structured_output: StructuredOutputWorker | None = None  # see `structured_output`
         if self.device.type == "cuda":
@@ -239,7 +253,7 @@ class ModelRunner:
         except Exception as e:  # noqa: BLE001 - the step's constrained requests fail, not the rest
             errors = {
                 s.seq_id: f"structured output: grammar step failed: {e!r}"
-                for s in step.seqs
+                for s in step.rows.seqs
                 if s.params.structured_output is not None
             }
         self._submitted.append(self._sample(step, errors))
@@ -264,7 +278,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, batch: ScheduledBatch) -> DeferredOutput | _Unsampled:
-        sample_seqs = list(compress(batch.seqs, batch.sampling))
+        sampled = self._sample_rows(batch)
+        sample_seqs = sampled.seqs
         gate = self._send_gate(batch, sample_seqs)
         staged = self._stage(batch) if batch.seqs else None
         self._queue_sampling()  # the previous step's, which this one's inputs may read
@@ -277,13 +292,12 @@ class ModelRunner:
             return DeferredOutput.empty()
         hidden, rows = self._forward(staged)
         logits = self.model.compute_logits(hidden.index_select(0, rows)) if sample_seqs else None
-        want = [s.params.logprobs for s in sample_seqs]
         raw_logprobs = None
-        if logits is not None and any(k is not None for k in want):
+        if logits is not None and sampled.logprobs:
             raw_logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
-        if logits is not None and any(s.params.penalized for s in sample_seqs):
+        if logits is not None and sampled.penalized:
             apply_penalties(logits, self._penalties(sample_seqs, logits.shape[1]))
-        step = _Unsampled(sample_seqs, logits, raw_logprobs, want)
+        step = _Unsampled(sampled, logits, raw_logprobs)
         if batch.has_drafts:
             step.drafts = list(compress(batch.draft_token_ids, batch.sampling))
         if not batch.has_constrained:
@@ -300,25 +314,46 @@ class ModelRunner:
         masked where constrained."""
         if step.logits is None:
             return DeferredOutput.empty()
+        rows = step.rows
+        if rows.sampling is None:
+            rows.sampling = self._sampling_tensors(rows.seqs)
         if step.drafts is not None:
             assert self.speculator is not None
-            sampling = self._sampling_tensors(step.seqs)
             verified = self.speculator.verify(
-                step.logits, step.seqs, step.drafts, sampling, errors, self.copy_stream
+                step.logits, rows.seqs, step.drafts, rows.sampling, errors, self.copy_stream
             )
-            for seq in step.seqs:
-                self._sampled_in[seq.seq_id] = verified
+            for seq_id in rows.seq_ids:
+                self._sampled_in[seq_id] = verified
             return verified
-        token_ids = self.sampler(step.logits, self._sampling_tensors(step.seqs))
+        token_ids = self.sampler(step.logits, rows.sampling)
         logprobs = None
         if step.raw_logprobs is not None:
-            num_top = max(k for k in step.want if k is not None)
+            num_top = max(k for k in rows.want if k is not None)
             logprobs = compute_logprobs(step.raw_logprobs, token_ids, num_top)
-        seq_ids = [s.seq_id for s in step.seqs]
-        out = DeferredOutput(seq_ids, token_ids, errors, logprobs, step.want, self.copy_stream)
+        seq_ids = rows.seq_ids
+        out = DeferredOutput(seq_ids, token_ids, errors, logprobs, rows.want, self.copy_stream)
         for seq_id in seq_ids:
             self._sampled_in[seq_id] = out
         return out
+
+    def _sample_rows(self, batch: ScheduledBatch) -> _SampleRows:
+        """The batch's sampling sequences and what they ask (see `_SampleRows`): the previous
+        step's when they are the same objects in the same order (their parameters never
+        change), which spares a batch that keeps decoding a pass over every sequence's
+        parameters and the copies of its sampling tensors."""
+        seqs = list(compress(batch.seqs, batch.sampling))
+        last = self._last_sample_rows
+        if last is not None and last.seqs == seqs:
+            return last
+        want = [s.params.logprobs for s in seqs]
+        self._last_sample_rows = _SampleRows(
+            seqs,
+            [s.seq_id for s in seqs],
+            want,
+            any(k is not None for k in want),
+            any(s.params.penalized for s in seqs),
+        )
+        return self._last_sample_rows
 
     def _send_gate(self, batch: ScheduledBatch, sample_seqs: list[Sequence]) -> int | None:
         """A constrained step that samples, with a grammar process: its grammar work goes to the
