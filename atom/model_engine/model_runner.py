@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from itertools import accumulate, compress
 from pathlib import Path
@@ -345,10 +345,16 @@ class ModelRunner:
         last = self._last_sample_rows
         if last is not None and last.seqs == seqs:
             return last
+        seq_ids = [s.seq_id for s in seqs]
+        if last is not None and last.seq_ids == seq_ids:
+            # A rank process rebuilds its sequences every step (``step_transport``), each with
+            # the parameters object it keeps for that sequence id.
+            self._last_sample_rows = replace(last, seqs=seqs)
+            return self._last_sample_rows
         want = [s.params.logprobs for s in seqs]
         self._last_sample_rows = _SampleRows(
             seqs,
-            [s.seq_id for s in seqs],
+            seq_ids,
             want,
             any(k is not None for k in want),
             any(s.params.penalized for s in seqs),
