@@ -98,7 +98,10 @@ class DeferredOutput:
 
     def result(self) -> RunnerOutput:
         ids = self.host_token_ids()
-        tokens = {s: t for s, t in zip(self.seq_ids, ids, strict=True) if s not in self.errors}
+        if self.errors:
+            tokens = {s: t for s, t in zip(self.seq_ids, ids, strict=True) if s not in self.errors}
+        else:  # the common step: one C-level build
+            tokens = dict(zip(self.seq_ids, ids, strict=True))
         out = RunnerOutput(tokens, {}, self.errors)
         if len(self._host) > 1:
             sampled, top_ids, top = (t.tolist() for t in self._host[1:])
