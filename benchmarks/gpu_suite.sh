@@ -48,7 +48,7 @@
 #                                          gate operations, structured-output overhead of another
 #                                          checkout's atom against this one's, alternated ROUNDS
 #                                          times (2), memcheck; ~9 minutes, ~7 with ROUNDS=1)
-#   BASELINE=.baseline [ROUNDS=2] bash benchmarks/gpu_suite.sh host_ab (decode ms/step and the
+#   BASELINE=.baseline [ROUNDS=2 KERNELS=1] bash benchmarks/gpu_suite.sh host_ab (decode ms/step and the
 #                                          device's own ms/step of another checkout's atom against
 #                                          this one's, alternated ROUNDS times, 5 repeats each;
 #                                          then this one's kernels at batch 256; ~7 minutes)
@@ -362,6 +362,7 @@ host_ab() {  # before/after of the host's share of a decode step: BASELINE (anot
                 --variants graphs-async --repeats 5 --out $out/engine_${side}_$round
         done
     done
+    [[ ${KERNELS:-1} == 1 ]] || return 0  # KERNELS=0: the A/B alone
     step engine_kernels 110 python3 benchmarks/bench_engine.py --device cuda --random-llama-1b \
         --no-transformers --variants graphs-async --decode-batches 1 256 --profile \
         --out $out/kernels
