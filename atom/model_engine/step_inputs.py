@@ -89,9 +89,7 @@ class StepInputsBuilder:
         if batch.steady and last is not None:
             step, self._last = _advance(batch, last, self.block_size, num_rows, pin)
             return step
-        step, decoded = _build(batch, self.block_size, num_rows, pin, self.tables)
-        if max(batch.num_new_tokens) == 1 and not batch.has_drafts:
-            self._last = decoded
+        step, self._last = _build(batch, self.block_size, num_rows, pin, self.tables)
         return step
 
 
@@ -107,23 +105,19 @@ class _Decoded:
 
 
 def build_step_inputs(
-    batch: ScheduledBatch,
-    block_size: int,
-    num_rows: int,
-    pin: bool,
-    tables: BlockTableRows | None = None,
+    batch: ScheduledBatch, block_size: int, num_rows: int, pin: bool
 ) -> StepInputs:
     """The batch's inputs, padded with `num_rows - len(batch.seqs)` one-token padding rows
-    (decode steps for a CUDA graph only); `pin` on CUDA. `tables`: the runner's block-table
-    rows, kept from step to step (a new one, used once, without)."""
-    return _build(batch, block_size, num_rows, pin, tables or BlockTableRows())[0]
+    (decode steps for a CUDA graph only); `pin` on CUDA. Built from every sequence, with no
+    state kept (a runner uses a `StepInputsBuilder`)."""
+    return _build(batch, block_size, num_rows, pin, BlockTableRows())[0]
 
 
 def _build(
     batch: ScheduledBatch, block_size: int, num_rows: int, pin: bool, tables: BlockTableRows
-) -> tuple[StepInputs, _Decoded]:
-    """`build_step_inputs`, reading every sequence; with the step's real rows as arrays (of
-    use only if it is a decode step)."""
+) -> tuple[StepInputs, _Decoded | None]:
+    """`build_step_inputs`, reading every sequence; with the step's real rows as arrays if it
+    is a decode step without drafts (the next step may advance them)."""
     seqs, num_new = batch.seqs, batch.num_new_tokens
     decode = max(num_new) == 1
     rows = _decode_rows(batch, block_size) if decode else _chunk_rows(batch, block_size)
@@ -152,6 +146,8 @@ def _build(
         placeholder_seq_ids=owner_ids,
         placeholder_seqs=owners,
     )
+    if not decode or batch.has_drafts:
+        return step, None
     b = len(seqs)
     table_rows = ints[b + pad :].reshape(b + pad, -1)[:b]
     decoded = _Decoded(longs_array[n : n + b], table_rows, owner_ids if len(owners) == b else None)
