@@ -13,7 +13,8 @@ engine thread's (`gate_stream_wait`, `gate_stream_write` and `gate_mask_kernel`,
 stream operations and the mask kernel's launch, nest in `gate_mask` and `gate_publish`;
 `tensor_copy` is every `Tensor.copy_`, the gates' rows and sampled ids among them) and
 `child_gate_ms` / `child_wait_ms` the grammar process's own time per gate, working and waiting
-for the stream.
+for the stream. `stage_inputs` holds `stage_build` (the host arrays), `stage_pin` (their
+page-locking) and `stage_graph_copies` (a decode graph's buffers taking them).
 
 Prints a table of milliseconds per step; writes benchmarks/results/profile_step_{device}.json
 and, with `--trace`, a gzipped Chrome trace per setting under `--trace-dir`. With
@@ -95,6 +96,13 @@ def instrument(engine: Any, segments: Segments) -> None:
     ]
     if hasattr(runner, "_stage"):  # the inputs built before the previous sampling is queued
         wraps.append((runner, "_stage", "stage_inputs"))
+    # Inside stage_inputs: the host arrays' build, their page-locking, and a decode graph's
+    # buffers taking them (four copies).
+    if hasattr(runner, "step_inputs"):
+        wraps.append((runner.step_inputs, "build", "stage_build"))
+    wraps.append((torch.Tensor, "pin_memory", "stage_pin"))
+    if getattr(runner, "graphs", None) is not None:
+        wraps.append((runner.graphs, "stage", "stage_graph_copies"))
     worker = runner.structured_output
     if worker.manager is not None or worker.pool is not None:  # structured output was used
         wraps += [
