@@ -94,6 +94,8 @@
 #                                          parity with transformers, the grammar processes' GPU
 #                                          tests (those ALONE_K selects), then structured_ab;
 #                                          ~5 minutes a round)
+#   bash benchmarks/gpu_suite.sh staging  (host µs of each call that stages a step's inputs:
+#                                          page-locking, copies, events; ~1 minute)
 #   bash benchmarks/gpu_suite.sh parity   (greedy parity with transformers on CUDA; ~1 minute)
 #   bash benchmarks/gpu_suite.sh child_probe (a grammar process's gate on 1, 3, 7 and 14 threads
 #                                          of the host's cores, and their topology; ~3 minutes)
@@ -523,6 +525,9 @@ child_probe() {  # a grammar process's repeated gate on the H200's host (no GPU 
     step child_gate_t14 120 taskset -c 0-13 python3 benchmarks/bench_child_gate.py \
         --rows 64 128 --threads 14 --tag t14 --out $out
 }
+staging() {  # what staging a step's inputs costs the host, operation by operation
+    step staging 120 python3 benchmarks/bench_staging.py --out $out
+}
 parity() {  # greedy parity with transformers on CUDA, graphs and eager
     step pytest_parity 120 python3 -m pytest -q -m gpu -k parity tests/model_engine/test_cuda_graph.py
 }
@@ -536,6 +541,6 @@ gpu_tests() {  # the GPU tests alone (288 s on a cold H200 at 75926ed: 40 tests)
     step pytest_gpu 380 python3 -m pytest -q -m gpu --durations=10 -o faulthandler_timeout=150 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-: "${1:?one or more of: parity, alone_ab, hooks_probe, pin_probe, share_probe, child_probe, gemm_probe, children_probe, placement_probe, repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+: "${1:?one or more of: staging, parity, alone_ab, hooks_probe, pin_probe, share_probe, child_probe, gemm_probe, children_probe, placement_probe, repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 for mode in "$@"; do "$mode"; done
 tail -n 200 $out/summary.log
