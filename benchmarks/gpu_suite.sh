@@ -96,9 +96,6 @@
 #                                          ~5 minutes a round)
 #   bash benchmarks/gpu_suite.sh staging  (host µs of each call that stages a step's inputs:
 #                                          page-locking, copies, events; ~1 minute)
-#   BASELINE=.baseline [ROUNDS=1 KERNELS=0] bash benchmarks/gpu_suite.sh staging_ab (the
-#                                          page-locked staging's GPU test, CUDA graph parity,
-#                                          staging, host_ab; ~5 minutes with one round)
 #   bash benchmarks/gpu_suite.sh parity   (greedy parity with transformers on CUDA; ~1 minute)
 #   bash benchmarks/gpu_suite.sh child_probe (a grammar process's gate on 1, 3, 7 and 14 threads
 #                                          of the host's cores, and their topology; ~3 minutes)
@@ -531,14 +528,6 @@ child_probe() {  # a grammar process's repeated gate on the H200's host (no GPU 
 staging() {  # what staging a step's inputs costs the host, operation by operation
     step staging 120 python3 benchmarks/bench_staging.py --out $out
 }
-staging_ab() {  # page-locked staging slots: their GPU test, CUDA graphs' parity tests, the
-    # host calls of staging, then host_ab (ROUNDS, KERNELS and BASELINE as there)
-    step pytest_staging 150 python3 -m pytest -q -m gpu --durations=5 \
-        -k "page_locked or parity or decode_the_same" tests/model_engine/test_step_inputs.py \
-        tests/model_engine/test_cuda_graph.py
-    staging
-    host_ab
-}
 parity() {  # greedy parity with transformers on CUDA, graphs and eager
     step pytest_parity 120 python3 -m pytest -q -m gpu -k parity tests/model_engine/test_cuda_graph.py
 }
@@ -552,6 +541,6 @@ gpu_tests() {  # the GPU tests alone (288 s on a cold H200 at 75926ed: 40 tests)
     step pytest_gpu 380 python3 -m pytest -q -m gpu --durations=10 -o faulthandler_timeout=150 tests \
         --ignore=tests/reliability/test_schemathesis.py  # schemathesis is not carried
 }
-: "${1:?one or more of: staging_ab, staging, parity, alone_ab, hooks_probe, pin_probe, share_probe, child_probe, gemm_probe, children_probe, placement_probe, repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
+: "${1:?one or more of: staging, parity, alone_ab, hooks_probe, pin_probe, share_probe, child_probe, gemm_probe, children_probe, placement_probe, repeat_ab, commit_probe, pool_probe, processes, processes_bench, processes_profile, bench, check, decode_ab, host_ab, final_check, split_probe, gemm, memcheck, gates_ab, gates_check, structured_ab, gpu_tests, grammar, overlap, racecheck, spec, structured, threads, tune, closing, ab_structured, gates, gates_closing, gates_serving, gates_profile, hooks_profile, threads_profile or final}"
 for mode in "$@"; do "$mode"; done
 tail -n 200 $out/summary.log

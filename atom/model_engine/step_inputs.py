@@ -5,8 +5,8 @@ slices its tokens (a prefill chunk, per KV block, never per token), and extends 
 Every int64 field then comes from one conversion and every int32 field from another, as views
 of those two tensors: a call into torch or numpy costs the host far more than a list extend (its
 code and data are cold after the model's forward), so a step makes only a handful. On CUDA both
-arrays are copied into page-locked memory (a runner's `PinnedStaging`) so that their copies to
-the device are asynchronous and the host never waits for the GPU here.
+tensors are pinned so that their copies to the device are asynchronous and the host never waits
+for the GPU here.
 
 A runner builds its steps with a `StepInputsBuilder`, which keeps what one step leaves for the
 next: the block-table rows, and a decode step's positions and tables as arrays. A steady decode
@@ -17,7 +17,6 @@ numpy, which reads a sequence only for its input token or a block it has just ga
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable
 from collections.abc import Sequence as Seqs
 from dataclasses import dataclass
 from itertools import accumulate, compress, pairwise
@@ -26,12 +25,8 @@ import numpy as np
 import torch
 
 from atom.model_engine.block_table_rows import BlockTableRows
-from atom.model_engine.pinned_staging import PinnedStaging
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import PLACEHOLDER, Sequence
-
-# An array's page-locked copy, as a tensor (CUDA), or None: the array's own memory (CPU).
-Pin = Callable[[np.ndarray], torch.Tensor] | None
 
 
 @dataclass
@@ -87,22 +82,14 @@ class StepInputsBuilder:
         self.block_size = block_size
         self.tables = BlockTableRows()
         self._last: _Decoded | None = None  # the previous step, if it was a decode step
-        self._staging: PinnedStaging | None = None  # made on the first step on CUDA
 
     def build(self, batch: ScheduledBatch, num_rows: int, pin: bool) -> StepInputs:
-        """`build_step_inputs` of `batch`, the way its kind of step allows; `pin` on CUDA,
-        through this runner's page-locked buffers."""
-        pinned = None
-        if pin:
-            if self._staging is None:
-                self._staging = PinnedStaging()
-            self._staging.begin_step()
-            pinned = self._staging.pinned
+        """`build_step_inputs` of `batch`, the way its kind of step allows."""
         last, self._last = self._last, None
         if batch.steady and last is not None:
-            step, self._last = _advance(batch, last, self.block_size, num_rows, pinned)
+            step, self._last = _advance(batch, last, self.block_size, num_rows, pin)
             return step
-        step, self._last = _build(batch, self.block_size, num_rows, pinned, self.tables)
+        step, self._last = _build(batch, self.block_size, num_rows, pin, self.tables)
         return step
 
 
@@ -123,11 +110,11 @@ def build_step_inputs(
     """The batch's inputs, padded with `num_rows - len(batch.seqs)` one-token padding rows
     (decode steps for a CUDA graph only); `pin` on CUDA. Built from every sequence, with no
     state kept (a runner uses a `StepInputsBuilder`)."""
-    return _build(batch, block_size, num_rows, _page_locked if pin else None, BlockTableRows())[0]
+    return _build(batch, block_size, num_rows, pin, BlockTableRows())[0]
 
 
 def _build(
-    batch: ScheduledBatch, block_size: int, num_rows: int, pin: Pin, tables: BlockTableRows
+    batch: ScheduledBatch, block_size: int, num_rows: int, pin: bool, tables: BlockTableRows
 ) -> tuple[StepInputs, _Decoded | None]:
     """`build_step_inputs`, reading every sequence; with the step's real rows as arrays if it
     is a decode step without drafts (the next step may advance them)."""
@@ -168,7 +155,7 @@ def _build(
 
 
 def _advance(
-    batch: ScheduledBatch, last: _Decoded, block_size: int, num_rows: int, pin: Pin
+    batch: ScheduledBatch, last: _Decoded, block_size: int, num_rows: int, pin: bool
 ) -> tuple[StepInputs, _Decoded]:
     """A steady decode step: `last` one token on. Its input tokens are read per sequence (a
     placeholder, or with synchronous scheduling the token read last step); the block tables
@@ -281,23 +268,18 @@ def _context_and_tables(batch: ScheduledBatch, pad: int, tables: BlockTableRows)
     return ints
 
 
-def _int_fields(ints: np.ndarray, rows: int, pin: Pin) -> tuple[torch.Tensor, torch.Tensor]:
+def _int_fields(ints: np.ndarray, rows: int, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Context lengths [rows] and block tables [rows, width], from one int32 array."""
     width = (len(ints) - rows) // rows
     context_lens, flat = _fields(ints, [rows, rows * width], pin)
     return context_lens, flat.view(rows, width)
 
 
-def _fields(array: np.ndarray, sizes: list[int], pin: Pin) -> list[torch.Tensor]:
-    """`array` cut into consecutive fields of `sizes`: on CUDA, views of its page-locked copy
-    (copies to the device are then asynchronous); else each field from its own numpy slice (a
+def _fields(array: np.ndarray, sizes: list[int], pin: bool) -> list[torch.Tensor]:
+    """`array` cut into consecutive fields of `sizes`: on CUDA, views of one pinned tensor (its
+    copies to the device are then asynchronous); else each field from its own numpy slice (a
     torch view costs several times as much)."""
-    if pin is not None:
-        return list(pin(array).split(sizes))
+    if pin:
+        return list(torch.from_numpy(array).pin_memory().split(sizes))
     bounds = list(accumulate(sizes, initial=0))
     return [torch.from_numpy(array[a:b]) for a, b in pairwise(bounds)]
-
-
-def _page_locked(array: np.ndarray) -> torch.Tensor:
-    """`array` page-locked afresh (a step built outside a runner)."""
-    return torch.from_numpy(array).pin_memory()
