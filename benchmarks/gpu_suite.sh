@@ -48,10 +48,11 @@
 #                                          gate operations, structured-output overhead of another
 #                                          checkout's atom against this one's, alternated ROUNDS
 #                                          times (2), memcheck; ~9 minutes, ~7 with ROUNDS=1)
-#   BASELINE=.baseline [ROUNDS=2 KERNELS=1] bash benchmarks/gpu_suite.sh host_ab (decode ms/step and the
-#                                          device's own ms/step of another checkout's atom against
-#                                          this one's, alternated ROUNDS times, 5 repeats each;
-#                                          then this one's kernels at batch 256; ~7 minutes)
+#   BASELINE=.baseline [ROUNDS=2 KERNELS=1] bash benchmarks/gpu_suite.sh host_ab (decode
+#                                          ms/step and the device's own ms/step of another
+#                                          checkout's atom against this one's, alternated ROUNDS
+#                                          times, 5 repeats each; then, unless KERNELS=0, this
+#                                          one's kernels at batch 256; ~7 minutes)
 #   bash benchmarks/gpu_suite.sh memcheck (compute-sanitizer memcheck of the engine's asynchronous
 #                                          path with constrained requests; ~2 minutes)
 #   BASELINE=.baseline bash benchmarks/gpu_suite.sh final_check (the GPU tests of CUDA graphs, the
